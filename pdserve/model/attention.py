@@ -1,0 +1,97 @@
+"""Attention over the paged KV cache (portable torch path: CPU and CUDA).
+
+The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 holds K,
+index 1 holds V. A token at position p of a sequence lives in block block_table[p // block_size], row
+p % block_size. The runner builds one AttentionContext per step and passes it explicitly (no global state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence computing more than one new token this step (a prompt or a prompt chunk)."""
+
+    query_start: int  # first row of this sequence in the flattened batch
+    num_query: int  # new tokens this step
+    context_len: int  # tokens with KV after this step (already cached + new)
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 block ids
+
+
+@dataclass
+class DecodeBatch:
+    """Sequences computing exactly one new token this step, attended in one batched call."""
+
+    rows: torch.Tensor  # [B] int64: row of each sequence's token in the flattened batch
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [B] int64: tokens with KV after this step
+    max_context_len: int  # max(context_lens), as a Python int
+
+
+@dataclass
+class AttentionContext:
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block_id * block_size + row) of each new token
+    prefills: list[PrefillSpan]
+    decode: DecodeBatch | None
+    block_size: int
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V ([T, num_kv_heads, head_dim]) into their slots of one layer's cache."""
+    _, num_blocks, block_size, h, d = layer_cache.shape
+    layer_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping, k)
+    layer_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows [0, length) of one sequence from one of K or V: [length, num_kv_heads, head_dim]."""
+    blocks = cache.index_select(0, block_table)  # [n, block_size, h, d]
+    return blocks.flatten(0, 1)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], new K/V already written
+    ctx: AttentionContext,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's cached context; returns [T, num_heads, head_dim]."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], layer_cache.shape[3]
+    group = num_heads // num_kv_heads
+    k_cache, v_cache = layer_cache[0], layer_cache[1]
+    for span in ctx.prefills:
+        qs = q[span.query_start : span.query_start + span.num_query].transpose(0, 1)  # [h, nq, d]
+        k = _gather(k_cache, span.block_table, span.context_len).transpose(0, 1)  # [hkv, ctx, d]
+        v = _gather(v_cache, span.block_table, span.context_len).transpose(0, 1)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)
+            v = v.repeat_interleave(group, dim=0)
+        offset = span.context_len - span.num_query  # tokens cached before this chunk
+        if offset == 0:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
+        else:
+            # query i sits at position offset + i and sees keys 0 .. offset + i
+            qpos = torch.arange(span.num_query, device=q.device).unsqueeze(1) + offset
+            kpos = torch.arange(span.context_len, device=q.device).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=kpos <= qpos, scale=scale)
+        out[span.query_start : span.query_start + span.num_query] = o.transpose(0, 1)
+    if ctx.decode is not None:
+        d = ctx.decode
+        bsz, max_blocks = d.block_tables.shape
+        kb = k_cache.index_select(0, d.block_tables.flatten()).view(bsz, -1, num_kv_heads, q.shape[2])
+        vb = v_cache.index_select(0, d.block_tables.flatten()).view(bsz, -1, num_kv_heads, q.shape[2])
+        kb, vb = kb[:, : d.max_context_len], vb[:, : d.max_context_len]  # [B, L, hkv, d]
+        qd = q.index_select(0, d.rows).view(bsz, num_kv_heads, group, q.shape[2])  # [B, hkv, g, d]
+        scores = torch.einsum("bhgd,blhd->bhgl", qd, kb) * scale
+        valid = torch.arange(d.max_context_len, device=q.device).unsqueeze(0) < d.context_lens.unsqueeze(1)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        od = torch.einsum("bhgl,blhd->bhgd", probs, vb).reshape(bsz, num_heads, q.shape[2])
+        out.index_copy_(0, d.rows, od)
+    return out

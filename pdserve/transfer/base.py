@@ -1,0 +1,182 @@
+"""The connector contract between the engine and a KV transfer mode.
+
+Each mode has two halves (STYLE.md rule 8):
+- ConnectorScheduler lives beside the scheduler, runs on the engine thread only, never touches memory or
+  the network; it turns request life-cycle events into a StepMeta once per engine step.
+- ConnectorWorker lives beside the KV cache (one per worker / tensor-parallel rank), owns the NIXL agent
+  through its transfer thread, executes StepMeta and reports TransferResults.
+
+Only the plain data below crosses the boundary; this package never imports the engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the registered KV cache: one contiguous buffer laid out as
+    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (2 = K then V)."""
+
+    base_addr: int  # address of element 0 (host or device pointer)
+    num_layers: int
+    num_blocks: int
+    block_size: int  # tokens per block
+    num_kv_heads: int  # heads held by this rank
+    head_dim: int
+    elem_size: int  # bytes per element
+    memory: str  # "DRAM" or "VRAM", as NIXL names it
+    device_id: int  # GPU index for VRAM, 0 for DRAM
+    model_name: str  # for the compatibility hash
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer."""
+        return self.num_kv_heads * self.head_dim * self.elem_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K (or V) in one layer."""
+        return self.block_size * self.token_bytes
+
+    @property
+    def region_stride(self) -> int:
+        """Bytes between consecutive (layer, k/v) regions."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * 2 * self.region_stride
+
+
+@dataclass(frozen=True)
+class RecvTask:
+    """Decode side: receive KV for tokens [start_token, start_token + num_tokens) of a request."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # local blocks covering tokens [0, start_token + num_tokens), in order
+    start_token: int  # tokens before this are already local (D's prefix cache); block aligned
+    num_tokens: int  # tokens to receive; may be 0 (then only the producer is told to release)
+    params: dict[str, Any]  # kv_transfer_params from the router (remote coordinates, transfer_id, ...)
+    attempt: int = 0  # push: registration attempt; a new attempt never receives an older attempt's data
+
+
+@dataclass(frozen=True)
+class SendTask:
+    """Prefill side: a finished request's KV is ready to be consumed from these blocks."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # blocks covering tokens [0, num_tokens), in order
+    num_tokens: int
+    params: dict[str, Any]  # kv_transfer_params of the request (push: transfer_id)
+
+
+@dataclass
+class StepMeta:
+    """Everything the scheduler side asks of the worker side in one engine step."""
+
+    recvs: list[RecvTask] = field(default_factory=list)
+    sends: list[SendTask] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # request ids of RecvTasks aborted before landing
+
+    def __bool__(self) -> bool:
+        return bool(self.recvs or self.sends or self.cancels)
+
+
+@dataclass
+class TransferResults:
+    """What the worker side reports back; every list holds request ids and is drained once read."""
+
+    finished_recvs: list[str] = field(default_factory=list)  # KV landed: the request may run
+    failed_recvs: list[tuple[str, str]] = field(default_factory=list)  # (id, reason); blocks safe to reuse
+    cancelled_recvs: list[str] = field(default_factory=list)  # aborted recvs whose blocks are safe to free
+    finished_sends: list[str] = field(default_factory=list)  # P: blocks may be freed (consumed or expired)
+    events: list[tuple[str, str, float]] = field(default_factory=list)  # (request id, event, time.time())
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.finished_recvs or self.failed_recvs or self.cancelled_recvs or self.finished_sends or self.events
+        )
+
+
+@dataclass
+class TransferStats:
+    """Cumulative counters for /metrics (a snapshot; safe to read from any thread)."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    transfers_expired: int = 0
+    transfer_seconds: list[float] = field(default_factory=list)  # durations since the last snapshot
+
+
+class ConnectorScheduler(ABC):
+    """Scheduler half. Invariants: called only from the engine thread; never blocks; never does I/O.
+    Every request it is told about ends in exactly one of: finished send, finished/failed/cancelled recv,
+    or (when it needs nothing) no task at all."""
+
+    @abstractmethod
+    def needs_remote_kv(self, request_id: str, params: dict[str, Any] | None) -> bool:
+        """A new request arrived; True if its prompt KV comes from a remote prefill (D side)."""
+
+    @abstractmethod
+    def on_blocks_allocated(
+        self, request_id: str, block_ids: list[int], num_local_tokens: int, num_prompt_tokens: int
+    ) -> None:
+        """D: blocks for the whole prompt are allocated; tokens [0, num_local_tokens) hit D's prefix cache."""
+
+    @abstractmethod
+    def on_request_finished(
+        self, request_id: str, block_ids: list[int], num_tokens: int, params: dict[str, Any] | None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A request finished. Returns (keep its blocks pinned until a finished send, kv_transfer_params for
+        the response)."""
+
+    @abstractmethod
+    def on_recv_aborted(self, request_id: str) -> None:
+        """D: a request waiting for KV was aborted; its blocks stay allocated until a cancelled recv."""
+
+    @abstractmethod
+    def build_step_meta(self) -> StepMeta:
+        """Drain what happened since the last call."""
+
+    @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """What GET /kv_transfer/info returns (engine id, side channel host/port, tp size, block size, mode)."""
+
+
+class ConnectorWorker(ABC):
+    """Worker half. Invariants: owns the NIXL agent through exactly one transfer thread, which it starts in
+    start() and joins in shutdown(); submit() and poll_results() never block on the network."""
+
+    @abstractmethod
+    def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
+        """Register the KV cache buffer (a torch tensor laid out as in KVCacheSpec) once, before start()."""
+
+    @abstractmethod
+    def start(self, wakeup: Callable[[], None]) -> None:
+        """Start the transfer thread; it calls wakeup() whenever new results are ready."""
+
+    @abstractmethod
+    def submit(self, meta: StepMeta) -> None:
+        """Hand one step's tasks to the transfer thread."""
+
+    @abstractmethod
+    def poll_results(self) -> TransferResults:
+        """Drain the results ready so far."""
+
+    @abstractmethod
+    def stats(self) -> TransferStats:
+        """Cumulative counters (transfer_seconds is drained)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop and join the transfer thread, then release the agent."""
