@@ -1,0 +1,62 @@
+"""One request's state inside the engine (pure Python: the scheduler and block pool never import torch)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; no blocks, or blocks but not yet admitted to the running batch
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # D: blocks allocated, KV arriving from a prefill instance
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    kv_transfer_params: dict[str, Any] | None = None
+    arrival_time: float = field(default_factory=time.time)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # block i holds tokens [i*block_size, (i+1)*block_size)
+    num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache or a remote prefill
+    num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block, computed lazily
+    needs_remote_kv: bool = False  # D: prompt KV comes from a remote prefill
+    remote_kv_ready: bool = False  # D: that KV has landed; compute only the last prompt token
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    timeline: dict[str, float] = field(default_factory=dict)  # event -> time.time()
+    output_sent: int = 0  # tokens already handed out in RequestOutputs
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def mark(self, event: str) -> None:
+        """Record the first time an event happened (for the timeline)."""
+        self.timeline.setdefault(event, time.time())

@@ -1,0 +1,77 @@
+"""The worker: owns the model, the KV cache and the worker half of the KV connector; runs one batch per call.
+
+The engine drives it through three calls (a narrow interface, so one process per tensor-parallel rank can
+later sit behind it): execute(chunks) -> sampled tokens, plus the connector it exposes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.sampler import sample
+from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan
+from pdserve.model.decoder import Decoder
+
+
+class Worker:
+    def __init__(self, decoder: Decoder, kv_cache: torch.Tensor, device: torch.device) -> None:
+        self.decoder = decoder
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.block_size = kv_cache.shape[3]
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
+        """Compute KV for every chunk's tokens and sample the next token of chunks that end a request's input."""
+        ctx, input_ids, positions, sample_rows = self._prepare(chunks)
+        hidden = self.decoder(input_ids, positions, self.kv_cache, ctx)  # [T, hidden]
+        sampling = [c for c in chunks if c.sample]
+        if not sampling:
+            return {}
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.decoder.logits(hidden.index_select(0, rows))  # [N, vocab] float32
+        tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
+        return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[AttentionContext, torch.Tensor, torch.Tensor, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        sample_rows: list[int] = []
+        for c in chunks:
+            start, n = c.start_pos, len(c.token_ids)
+            row0 = len(ids)
+            ids.extend(c.token_ids)
+            pos.extend(range(start, start + n))
+            slots.extend(c.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            ctx_len = start + n
+            table = c.block_ids[: -(-ctx_len // bs)]
+            if n == 1:
+                dec_rows.append(row0)
+                dec_tables.append(table)
+                dec_lens.append(ctx_len)
+            else:
+                prefills.append(PrefillSpan(row0, n, ctx_len, torch.tensor(table, device=self.device)))
+            if c.sample:
+                sample_rows.append(row0 + n - 1)
+        decode = None
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in dec_tables]
+            decode = DecodeBatch(
+                rows=torch.tensor(dec_rows, device=self.device),
+                block_tables=torch.tensor(padded, device=self.device),
+                context_lens=torch.tensor(dec_lens, device=self.device),
+                max_context_len=max(dec_lens),
+            )
+        ctx = AttentionContext(
+            slot_mapping=torch.tensor(slots, device=self.device), prefills=prefills, decode=decode, block_size=bs
+        )
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return ctx, t(ids), t(pos), sample_rows

@@ -1,0 +1,288 @@
+"""Scheduler: one token-budget loop over running then waiting requests (pure Python, no torch).
+
+Every step each scheduled request's num_computed_tokens catches up with its token count, within the step's
+token budget (chunked prefill); decodes and prefill chunks share one batch. When blocks run out the newest
+running request is preempted by recompute. P/D adds one status, WAITING_FOR_REMOTE_KV: a decode-side request
+holds its blocks there until its KV has landed, then computes only its last prompt token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.base import ConnectorScheduler
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one request to compute in this step (the worker's input for that request)."""
+
+    request_id: str
+    token_ids: list[int]  # tokens at positions [start_pos, start_pos + len)
+    start_pos: int  # = the request's num_computed_tokens before this step
+    block_ids: list[int]  # all the request's blocks (covering start_pos + len tokens)
+    sample: bool  # this chunk ends at the request's last token: sample the next one
+    params: SamplingParams
+    num_output_tokens: int  # generated so far (sampling seed step)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: SchedulerConfig, pool: BlockPool, block_size: int, max_model_len: int, connector: ConnectorScheduler
+    ) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.connector = connector
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}  # D: blocks allocated, KV in flight
+        self.pinned: dict[str, Request] = {}  # P: finished, blocks kept until the consumer is done
+        self.aborting: dict[str, Request] = {}  # D: aborted while KV in flight; blocks freed on cancel ack
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+
+    # ---- life cycle -------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.needs_remote_kv = self.connector.needs_remote_kv(req.request_id, req.kv_transfer_params)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str, error: str | None = None) -> dict | None:
+        """End a request; returns kv_transfer_params for its response (P side). Frees or pins its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise RuntimeError("finish a request waiting for KV through abort()")
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        self.requests.pop(req.request_id, None)
+        keep, params = False, None
+        if reason in ("stop", "length"):  # an aborted prefill has nothing to hand over (push: registration expires)
+            keep, params = self.connector.on_request_finished(
+                req.request_id, list(req.block_ids), req.num_computed_tokens, req.kv_transfer_params
+            )
+        if keep:
+            self.pinned[req.request_id] = req
+        else:
+            self._free_blocks(req)
+        return params
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort an unfinished request; a request whose KV is in flight keeps its blocks until the worker
+        confirms nothing more can land in them."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[request_id]
+            del self.requests[request_id]
+            req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+            self.aborting[request_id] = req
+            self.connector.on_recv_aborted(request_id)
+            return req
+        self.finish(req, "abort")
+        return req
+
+    # ---- transfer results ---------------------------------------------------------------------------------
+    def on_kv_received(self, request_id: str) -> None:
+        if (req := self.aborting.pop(request_id, None)) is not None:
+            self._free_blocks(req)
+            return
+        req = self.waiting_for_kv.pop(request_id)
+        req.remote_kv_ready = True
+        req.num_cached_tokens = req.num_prompt_tokens - 1
+        req.num_computed_tokens = req.num_prompt_tokens - 1
+        req.status = RequestStatus.WAITING
+        req.mark("kv_received")
+        self.waiting.appendleft(req)
+
+    def on_kv_failed(self, request_id: str, recompute: bool) -> Request | None:
+        """KV will not arrive (blocks are safe to reuse). Recompute locally, or return the request to fail."""
+        if (req := self.aborting.pop(request_id, None)) is not None:
+            self._free_blocks(req)
+            return None
+        req = self.waiting_for_kv.pop(request_id)
+        req.status = RequestStatus.WAITING
+        if recompute:
+            req.needs_remote_kv = False
+            req.num_cached_tokens = req.num_computed_tokens  # only D's own prefix-cache hits are valid
+            self.waiting.appendleft(req)
+            return None
+        self.waiting.appendleft(req)  # finish() removes it from waiting
+        return req
+
+    def on_recv_cancelled(self, request_id: str) -> None:
+        if (req := self.aborting.pop(request_id, None)) is not None:
+            self._free_blocks(req)
+
+    def on_send_finished(self, request_id: str) -> None:
+        if (req := self.pinned.pop(request_id, None)) is not None:
+            self._free_blocks(req)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, req.num_computed_tokens + num_new, out):
+                continue  # req itself was preempted; running[i] is now the next request (or none)
+            out.chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted_ids:
+            req = self.waiting[0]
+            if req.needs_remote_kv and not req.remote_kv_ready:
+                if not self._park_for_remote_kv(req):
+                    break
+                continue
+            if not req.block_ids:
+                self._take_prefix_hits(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_to(req, req.num_computed_tokens + num_new):
+                if not req.remote_kv_ready and req.num_computed_tokens == req.num_cached_tokens:
+                    self._free_blocks(req)  # give prefix hits back; retried next step
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.mark("scheduled")
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Account computed tokens, append sampled tokens; returns requests that hit a stop condition."""
+        stopped = []
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += len(chunk.token_ids)
+            self._cache_full_blocks(req)
+            token = sampled.get(chunk.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            p = req.params
+            if (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                req.finish_reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                req.finish_reason = "length"
+            if req.finish_reason is not None:
+                stopped.append(req)
+        return stopped
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + num_new]
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=tokens,
+            start_pos=start,
+            block_ids=list(req.block_ids),
+            sample=start + num_new == req.num_tokens,
+            params=req.params,
+            num_output_tokens=len(req.output_token_ids),
+        )
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _allocate_to(self, req: Request, num_tokens: int) -> bool:
+        need = self._blocks_for(num_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        req.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Give a running request blocks for num_tokens, preempting the newest running requests if needed.
+        Returns False if req itself had to be preempted."""
+        while not self._allocate_to(req, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._free_blocks(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_hashed_blocks = 0
+        req.remote_kv_ready = False
+        req.needs_remote_kv = False  # its KV is gone; recompute locally
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _free_blocks(self, req: Request) -> None:
+        self.pool.free(reversed(req.block_ids))
+        req.block_ids = []
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """Chained hashes of the request's first num_blocks full blocks (memoised on the request)."""
+        tokens, bs = req.all_token_ids, self.block_size
+        while len(req.block_hashes) < num_blocks:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+        return req.block_hashes[:num_blocks]
+
+    def _take_prefix_hits(self, req: Request) -> None:
+        # at least one token must be computed (its logits give the next token), so cap at num_tokens - 1
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = self.pool.lookup(self._hashes(req, max_blocks)) if self.pool.enable_prefix_caching else []
+        self.pool.touch(hits)
+        req.block_ids = list(hits)
+        req.num_computed_tokens = req.num_cached_tokens = len(hits) * self.block_size
+        req.num_hashed_blocks = len(hits)
+
+    def _park_for_remote_kv(self, req: Request) -> bool:
+        """D: allocate blocks for the whole prompt (prefix hits first) and wait for the rest to be written."""
+        self._take_prefix_hits(req)
+        if not self._allocate_to(req, req.num_prompt_tokens):
+            self._free_blocks(req)
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_kv[req.request_id] = req
+        self.connector.on_blocks_allocated(
+            req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens
+        )
+        return True
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        num_full = req.num_computed_tokens // self.block_size
+        if num_full <= req.num_hashed_blocks or not self.pool.enable_prefix_caching:
+            return
+        hashes = self._hashes(req, num_full)
+        for i in range(req.num_hashed_blocks, num_full):
+            self.pool.cache(req.block_ids[i], hashes[i])
+        req.num_hashed_blocks = num_full
