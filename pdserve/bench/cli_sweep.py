@@ -1,0 +1,151 @@
+"""`pdserve sweep`: push vs pull over request rates x input lengths, one result JSON per point."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pdserve.bench.deploy import ServerOptions
+from pdserve.bench.sweep import MODES, Endpoints, Sweep, SweepConfig, summary_table
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    for m in modes:
+        if m not in MODES:
+            raise argparse.ArgumentTypeError(f"mode {m!r} is not one of {', '.join(MODES)}")
+    return modes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="model the servers load (not needed with --attach)")
+    parser.add_argument("--modes", type=_modes, default=MODES, help="comma-separated: push,pull")
+    parser.add_argument("--qps", type=_floats, default=(1.0,), help="comma-separated request rates; inf allowed")
+    parser.add_argument("--input-lens", type=_ints, default=(512,), help="comma-separated prompt lengths")
+    parser.add_argument("--output-lens", type=_ints, default=(64,), help="comma-separated output lengths")
+    parser.add_argument("--iterations", type=int, default=1, help="runs per grid point")
+    parser.add_argument("--num-prompts", type=int, default=20, help="requests per run")
+    parser.add_argument("--results-dir", type=Path, default=Path("results/sweep"))
+    parser.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="MODE=ROUTER[,PREFILL,DECODE]",
+        help="use a running deployment for MODE instead of starting one (prefill/decode URLs for timelines)",
+    )
+    parser.add_argument("--tokenizer", default=None, help="tokenizer for prompts (default: the model)")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
+    parser.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per deployment")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-timeline", action="store_true", help="also write timeline_<mode>.json")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    server = parser.add_argument_group("servers started by the sweep (passed to `pdserve serve`)")
+    server.add_argument("--dtype", default=None)
+    server.add_argument("--load-format", default=None)
+    server.add_argument("--block-size", type=int, default=None)
+    server.add_argument("--num-threads", type=int, default=None, help="torch threads per server")
+    server.add_argument("--max-model-len", type=int, default=None)
+    server.add_argument("--device", default=None, help="cpu or cuda")
+    server.add_argument("--prefill-gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of prefill")
+    server.add_argument("--decode-gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of decode")
+    server.add_argument("--server-arg", action="append", default=[], help="extra flag for both servers (repeat)")
+
+
+def parse_attach(items: list[str]) -> dict[str, Endpoints]:
+    attach = {}
+    for item in items:
+        mode, sep, urls = item.partition("=")
+        parts = [u.strip() for u in urls.split(",") if u.strip()]
+        if not sep or mode not in MODES or len(parts) not in (1, 3):
+            raise ValueError(f"--attach {item!r} is not MODE=ROUTER_URL or MODE=ROUTER_URL,PREFILL_URL,DECODE_URL")
+        attach[mode] = Endpoints(*parts) if len(parts) == 3 else Endpoints(parts[0])
+    return attach
+
+
+def config_from_args(args: argparse.Namespace) -> SweepConfig:
+    server = None
+    if args.model:
+        server = ServerOptions(
+            model=args.model,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            block_size=args.block_size,
+            num_threads=args.num_threads,
+            max_model_len=args.max_model_len,
+            device=args.device,
+            prefill_gpu=args.prefill_gpu,
+            decode_gpu=args.decode_gpu,
+            extra_args=tuple(args.server_arg),
+        )
+    return SweepConfig(
+        modes=args.modes,
+        qps=args.qps,
+        input_lens=args.input_lens,
+        output_lens=args.output_lens,
+        iterations=args.iterations,
+        num_prompts=args.num_prompts,
+        results_dir=args.results_dir,
+        server=server,
+        attach=parse_attach(args.attach),
+        tokenizer=args.tokenizer,
+        max_concurrency=args.max_concurrency,
+        burstiness=args.burstiness,
+        ignore_eos=args.ignore_eos,
+        random_range_ratio=args.random_range_ratio,
+        num_warmups=args.num_warmups,
+        seed=args.seed,
+        endpoint=args.endpoint,
+        save_timeline=args.save_timeline,
+        startup_timeout_s=args.startup_timeout,
+    )
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt while inside, so `finally` blocks stop the servers."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"pdserve sweep: {e}", file=sys.stderr)
+        return 2
+    try:
+        with terminate_as_interrupt():
+            paths = Sweep(cfg).run()
+    except KeyboardInterrupt:
+        print("pdserve sweep: interrupted; every server was stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+        print(f"pdserve sweep: {e}", file=sys.stderr)
+        return 1
+    print(summary_table(paths))
+    print(f"{len(paths)} results in {cfg.results_dir}")
+    return 0

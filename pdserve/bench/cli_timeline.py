@@ -1,0 +1,61 @@
+"""`pdserve timeline`: per-request Gantt PNG from the servers' /timeline, one panel per mode, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+from pathlib import Path
+
+from pdserve.bench.timeline import draw, fetch, join, load_saved
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="*", type=Path, help="saved timelines (sweep --save-timeline output)")
+    parser.add_argument(
+        "--fetch",
+        action="append",
+        default=[],
+        metavar="MODE=PREFILL_URL,DECODE_URL",
+        help="read GET /timeline of a running prefill and decode instance (repeat for push and pull)",
+    )
+    parser.add_argument("--save-dir", type=Path, default=None, help="also save fetched timelines here")
+    parser.add_argument("--match", default=None, help="only requests whose id contains this")
+    parser.add_argument("--max-requests", type=int, default=24, help="rows per panel (the latest requests)")
+    parser.add_argument("--out", type=Path, default=Path("timeline.png"))
+
+
+def _fetch_panel(spec: str, save_dir: Path | None) -> tuple[str, list]:
+    mode, sep, urls = spec.partition("=")
+    parts = [u.strip() for u in urls.split(",")]
+    if not sep or len(parts) != 2:
+        raise ValueError(f"--fetch {spec!r} is not MODE=PREFILL_URL,DECODE_URL")
+    prefill, decode = fetch(parts[0]), fetch(parts[1])
+    if save_dir is not None:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        path = save_dir / f"timeline_{mode}.json"
+        path.write_text(json.dumps({"mode": mode, "prefill": prefill, "decode": decode}))
+        print(f"saved {path}")
+    return mode, join(prefill, decode)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        panels = [load_saved(f) for f in args.files]
+        panels += [_fetch_panel(spec, args.save_dir) for spec in args.fetch]
+    except (ValueError, OSError, urllib.error.URLError, json.JSONDecodeError) as e:
+        print(f"pdserve timeline: {e}", file=sys.stderr)
+        return 2
+    if not panels:
+        print("pdserve timeline: give saved timeline files or --fetch MODE=PREFILL_URL,DECODE_URL", file=sys.stderr)
+        return 2
+    order = {"push": 0, "pull": 1}
+    panels.sort(key=lambda p: order.get(p[0], 2))
+    if args.match:
+        panels = [(mode, [t for t in tls if args.match in t.request_id]) for mode, tls in panels]
+    for mode, tls in panels:
+        print(f"{mode}: {len(tls)} requests")
+    out = draw(panels, args.out, args.max_requests)
+    print(f"timeline written to {out}")
+    return 0

@@ -1,0 +1,115 @@
+"""A 1P1D deployment + router on this machine, started as subprocesses and always torn down.
+
+Startup order: prefill and decode together (they load the model in parallel), wait for both /health, then
+the router, wait for its /health. Shutdown order (the reverse): router, decode, prefill — so no request is
+routed to an instance that is already gone. `Deployment` is a context manager; leaving the block by
+return, exception or Ctrl-C stops every process it started.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.bench.procs import ManagedProcess, free_ports
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Flags passed through to both `pdserve serve` instances; None = the server's default."""
+
+    model: str  # a built-in name, a HF folder, a .gguf file or a shape preset
+    dtype: str | None = None
+    load_format: str | None = None
+    block_size: int | None = None
+    num_threads: int | None = None  # torch threads per server; 1 keeps four processes on two cores sane
+    max_model_len: int | None = None
+    device: str | None = None  # "cpu" or "cuda"
+    prefill_gpu: int | None = None  # CUDA_VISIBLE_DEVICES of the prefill server
+    decode_gpu: int | None = None  # CUDA_VISIBLE_DEVICES of the decode server
+    extra_args: tuple[str, ...] = ()  # appended verbatim to both servers' command lines
+
+    def server_flags(self) -> list[str]:
+        flags = []
+        for flag, value in (
+            ("--dtype", self.dtype),
+            ("--load-format", self.load_format),
+            ("--block-size", self.block_size),
+            ("--num-threads", self.num_threads),
+            ("--max-model-len", self.max_model_len),
+            ("--device", self.device),
+        ):
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags + list(self.extra_args)
+
+
+@dataclass
+class Deployment:
+    """1 prefill + 1 decode + router for one transfer mode, on loopback ports chosen when started."""
+
+    options: ServerOptions
+    mode: str  # "push" or "pull"
+    log_dir: Path  # <log_dir>/<mode>_{prefill,decode,router}.log
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = 600.0
+    python: str = sys.executable
+    procs: list[ManagedProcess] = field(default_factory=list)
+    prefill_url: str = ""
+    decode_url: str = ""
+    router_url: str = ""
+
+    def _serve_argv(self, role: str, port: int, side_port: int) -> list[str]:
+        argv = [self.python, "-m", "pdserve.cli", "serve", self.options.model, "--host", self.host, "--port", str(port)]
+        argv += ["--kv-role", role, "--kv-transfer", self.mode, "--kv-side-channel-port", str(side_port)]
+        if role == "decode":
+            argv.append("--no-enable-prefix-caching")  # as in the reference runs: D never shortcuts a transfer
+        return argv + self.options.server_flags()
+
+    def _gpu_env(self, gpu: int | None) -> dict[str, str] | None:
+        return None if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}
+
+    def start(self) -> Deployment:
+        p_port, d_port, p_side, d_side, r_port = free_ports(5, self.host)
+        self.prefill_url = f"http://{self.host}:{p_port}"
+        self.decode_url = f"http://{self.host}:{d_port}"
+        self.router_url = f"http://{self.host}:{r_port}"
+        logs = self.log_dir
+        try:
+            prefill = ManagedProcess(
+                "prefill",
+                self._serve_argv("prefill", p_port, p_side),
+                logs / f"{self.mode}_prefill.log",
+                self._gpu_env(self.options.prefill_gpu),
+            )
+            self.procs.append(prefill)
+            decode = ManagedProcess(
+                "decode",
+                self._serve_argv("decode", d_port, d_side),
+                logs / f"{self.mode}_decode.log",
+                self._gpu_env(self.options.decode_gpu),
+            )
+            self.procs.append(decode)
+            prefill.wait_healthy(self.prefill_url + "/health", self.startup_timeout_s)
+            decode.wait_healthy(self.decode_url + "/health", self.startup_timeout_s)
+            router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", self.mode]
+            router_argv += ["--port", str(r_port), "--prefill", self.prefill_url, "--decode", self.decode_url]
+            router = ManagedProcess("router", router_argv, logs / f"{self.mode}_router.log")
+            self.procs.append(router)
+            router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop every process started, router first; safe to call twice."""
+        while self.procs:
+            self.procs.pop().stop()
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,110 @@
+"""The load loop: send requests on a Poisson (or gamma) schedule, at most N at a time, and time the run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from pdserve.bench.client import ClientConfig, RequestOutput, send_request
+from pdserve.bench.dataset import SampleRequest
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """When requests are sent."""
+
+    request_rate: float = math.inf  # requests per second; inf = all at once
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson, < 1 burstier, > 1 more regular
+    max_concurrency: int | None = None  # requests in flight at once; None = unlimited
+    seed: int = 0  # seeds the arrival schedule
+    timeout_s: float = 6 * 3600.0  # per request, like vllm bench serve
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.request_rate > 0:
+            raise ValueError(f"request rate must be > 0, got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max concurrency must be >= 1, got {self.max_concurrency}")
+
+
+def arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send time of each request, seconds after the first, as `vllm bench serve` schedules them.
+
+    Gaps are gamma(shape=burstiness, scale=1/(rate*burstiness)) (exponential when burstiness is 1); the
+    cumulative times are then rescaled so the last send lands at num/rate, which keeps the offered load
+    equal across seeds.
+    """
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = np.random.default_rng(seed)
+    if math.isinf(burstiness):
+        gaps = np.full(num, 1.0 / request_rate)
+    else:
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)
+    offsets = np.cumsum(gaps)
+    if offsets[-1] > 0:
+        offsets *= (num / request_rate) / offsets[-1]
+    return [float(x) for x in offsets]
+
+
+async def _send_all(
+    session: aiohttp.ClientSession,
+    client: ClientConfig,
+    requests: Sequence[SampleRequest],
+    offsets: Sequence[float],
+    max_concurrency: int | None,
+    pbar: tqdm | None,
+) -> list[RequestOutput]:
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+    async def one(req: SampleRequest) -> RequestOutput:
+        async with semaphore:
+            out = await send_request(session, client, req)
+        if pbar is not None:
+            pbar.update(1)
+        return out
+
+    start = time.perf_counter()
+    tasks = []
+    for req, offset in zip(requests, offsets, strict=True):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def run_load(
+    client: ClientConfig,
+    requests: Sequence[SampleRequest],
+    load: LoadConfig,
+    warmups: Sequence[SampleRequest] = (),
+) -> tuple[list[RequestOutput], float]:
+    """Send `warmups` (untimed, all at once within max_concurrency), then `requests` on the schedule.
+
+    Returns the outputs in send order and the run's wall time in seconds (first send to last finish).
+    """
+    connector = aiohttp.TCPConnector(limit=load.max_concurrency or 0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=load.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if warmups:
+            await _send_all(session, client, warmups, [0.0] * len(warmups), load.max_concurrency, None)
+        offsets = arrival_offsets(len(requests), load.request_rate, load.burstiness, load.seed)
+        pbar = tqdm(total=len(requests), desc="requests", disable=not load.show_progress)
+        start = time.perf_counter()
+        try:
+            outputs = await _send_all(session, client, requests, offsets, load.max_concurrency, pbar)
+        finally:
+            pbar.close()
+        duration = time.perf_counter() - start
+    return outputs, duration

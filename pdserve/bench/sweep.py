@@ -1,0 +1,211 @@
+"""The push-vs-pull sweep: per mode, a 1P1D deployment (started or attached), one bench per grid point.
+
+Every point writes `<results_dir>/<mode>_qps<q>_in<in>_out<out>_iter<i>.json` (the bench result plus `mode`,
+`qps`, `iteration`) and a `.log` beside it. Servers' own logs go to `<results_dir>/servers/`. Points of
+both modes use the same seeds, so push and pull see the same prompts; within a mode every point has its
+own prompts and request ids, so the prefill instance's prefix cache never shortcuts a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.bench import cli_bench
+from pdserve.bench.deploy import Deployment, ServerOptions
+from pdserve.bench.tokenizer import Vocab, load_vocab
+
+MODES = ("push", "pull")
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where one mode's deployment answers."""
+
+    router_url: str  # what the bench loads
+    prefill_url: str | None = None  # for /timeline; None when unknown (attached without it)
+    decode_url: str | None = None
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The grid and how each point is benchmarked."""
+
+    modes: tuple[str, ...]
+    qps: tuple[float, ...]
+    input_lens: tuple[int, ...]
+    output_lens: tuple[int, ...]
+    iterations: int
+    num_prompts: int
+    results_dir: Path
+    server: ServerOptions | None  # None when every mode is attached
+    attach: dict[str, Endpoints] = field(default_factory=dict)  # mode -> running deployment
+    tokenizer: str | None = None  # default: the server model
+    max_concurrency: int | None = None
+    burstiness: float = 1.0
+    ignore_eos: bool = True
+    random_range_ratio: float = 0.0
+    num_warmups: int = 2  # per deployment, before its first point
+    seed: int = 0
+    endpoint: str = "/v1/completions"
+    save_timeline: bool = False  # write <results_dir>/timeline_<mode>.json from the servers' /timeline
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for mode in self.modes:
+            if mode not in MODES:
+                raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+        if self.server is None and any(m not in self.attach for m in self.modes):
+            raise ValueError("a model is needed to start the modes that are not attached")
+        if self.iterations < 1 or self.num_prompts < 1:
+            raise ValueError("iterations and num_prompts must be >= 1")
+
+    def points(self) -> list[tuple[float, int, int, int]]:
+        """(qps, input_len, output_len, iteration) in run order."""
+        grid = itertools.product(self.qps, self.input_lens, self.output_lens, range(self.iterations))
+        return [(q, i, o, it) for q, i, o, it in grid]
+
+
+def format_qps(qps: float) -> str:
+    """1.0 -> "1", 0.5 -> "0.5", inf -> "inf": the qps part of result file names."""
+    if math.isinf(qps):
+        return "inf"
+    return str(int(qps)) if qps == int(qps) else f"{qps:g}"
+
+
+def point_stem(mode: str, qps: float, input_len: int, output_len: int, iteration: int) -> str:
+    return f"{mode}_qps{format_qps(qps)}_in{input_len}_out{output_len}_iter{iteration}"
+
+
+def bench_argv(
+    cfg: SweepConfig, base_url: str, point: tuple[float, int, int, int], seed: int, prefix: str
+) -> list[str]:
+    """The `pdserve bench` flags of one point (also written to its log, so a point can be rerun by hand)."""
+    qps, input_len, output_len, _ = point
+    argv = ["--base-url", base_url, "--endpoint", cfg.endpoint, "--num-prompts", str(cfg.num_prompts)]
+    argv += ["--request-rate", str(qps), "--burstiness", str(cfg.burstiness), "--seed", str(seed)]
+    argv += ["--input-len", str(input_len), "--output-len", str(output_len), "--request-id-prefix", prefix]
+    argv += ["--random-range-ratio", str(cfg.random_range_ratio), "--disable-tqdm"]
+    if cfg.max_concurrency:
+        argv += ["--max-concurrency", str(cfg.max_concurrency)]
+    if cfg.ignore_eos:
+        argv.append("--ignore-eos")
+    if cfg.tokenizer:
+        argv += ["--tokenizer", cfg.tokenizer]
+    return argv
+
+
+def _parse_bench(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve bench")
+    cli_bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def fetch_json(url: str, timeout_s: float = 10.0) -> object:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def save_timeline(path: Path, mode: str, ends: Endpoints) -> None:
+    """Write both servers' /timeline entries to one JSON file (what `pdserve timeline` reads)."""
+    data: dict[str, object] = {"mode": mode, "prefill": [], "decode": []}
+    for role, url in (("prefill", ends.prefill_url), ("decode", ends.decode_url)):
+        if url:
+            data[role] = fetch_json(url.rstrip("/") + "/timeline")
+    path.write_text(json.dumps(data))
+
+
+class Sweep:
+    """Runs a SweepConfig; `log` receives one progress line per stage and point."""
+
+    def __init__(self, cfg: SweepConfig, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.log = log
+        self.written: list[Path] = []  # result JSONs, in run order
+        self._vocab: Vocab | None = None
+
+    def vocab(self) -> Vocab:
+        if self._vocab is None:
+            name = self.cfg.tokenizer or (self.cfg.server.model if self.cfg.server else None)
+            if name is None:
+                raise ValueError("attached sweeps need --tokenizer (or --model) to build prompts")
+            self._vocab = load_vocab(name)
+        return self._vocab
+
+    def run(self) -> list[Path]:
+        self.cfg.results_dir.mkdir(parents=True, exist_ok=True)
+        self.vocab()  # fail before starting any server
+        for mode in self.cfg.modes:
+            if mode in self.cfg.attach:
+                self.log(f"[{mode}] attached to {self.cfg.attach[mode].router_url}")
+                self.run_mode(mode, self.cfg.attach[mode], None)
+                continue
+            assert self.cfg.server is not None
+            self.log(f"[{mode}] starting prefill + decode + router ({self.cfg.server.model})")
+            start = time.monotonic()
+            deployment = Deployment(
+                self.cfg.server, mode, self.cfg.results_dir / "servers", startup_timeout_s=self.cfg.startup_timeout_s
+            )
+            with deployment:
+                self.log(f"[{mode}] healthy after {time.monotonic() - start:.1f} s: router {deployment.router_url}")
+                ends = Endpoints(deployment.router_url, deployment.prefill_url, deployment.decode_url)
+                self.run_mode(mode, ends, deployment)
+            self.log(f"[{mode}] stopped")
+        return self.written
+
+    def _check_alive(self, deployment: Deployment | None) -> None:
+        for proc in deployment.procs if deployment else ():
+            if not proc.is_alive():
+                raise RuntimeError(f"{proc.name} died (code {proc.proc.returncode}):\n{proc.log_tail()}")
+
+    def run_mode(self, mode: str, ends: Endpoints, deployment: Deployment | None) -> None:
+        cfg = self.cfg
+        points = cfg.points()
+        if cfg.num_warmups > 0:
+            _, input_len, output_len, _ = points[0]
+            warm = (math.inf, input_len, output_len, 0)
+            args = _parse_bench(bench_argv(cfg, ends.router_url, warm, cfg.seed + 999_983, f"{mode}-warmup"))
+            args.num_prompts = cfg.num_warmups
+            self.log(f"[{mode}] warming up with {cfg.num_warmups} requests")
+            asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda _: None))
+        for index, point in enumerate(points):
+            self._check_alive(deployment)
+            stem = point_stem(mode, *point)
+            seed = cfg.seed + 1000 * index  # equal across modes: push and pull get the same prompts
+            argv = bench_argv(cfg, ends.router_url, point, seed, f"{mode}-{index}")
+            args = _parse_bench(argv)
+            log_path = cfg.results_dir / f"{stem}.log"
+            with open(log_path, "w") as log_file:
+                log_file.write("$ pdserve bench " + " ".join(argv) + "\n")
+                result = asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda s: print(s, file=log_file)))
+            qps, _, _, iteration = point
+            result.update(mode=mode, qps=format_qps(qps), iteration=iteration)
+            path = cfg.results_dir / f"{stem}.json"
+            path.write_text(json.dumps(result, indent=1))
+            self.written.append(path)
+            self.log(
+                f"[{mode}] {stem}: {result['completed']}/{cfg.num_prompts} ok, "
+                f"median TTFT {result['median_ttft_ms']:.1f} ms, TPOT {result['median_tpot_ms']:.1f} ms"
+            )
+        if cfg.save_timeline and (ends.prefill_url or ends.decode_url):
+            path = cfg.results_dir / f"timeline_{mode}.json"
+            try:
+                save_timeline(path, mode, ends)
+                self.log(f"[{mode}] timeline written to {path}")
+            except OSError as e:
+                self.log(f"[{mode}] no timeline: {e}")
+
+
+def summary_table(paths: Sequence[Path]) -> str:
+    """Push vs pull, one row per (qps, input, output): medians over iterations of median TTFT and TPOT."""
+    from pdserve.bench.plot import load_results, summary_rows
+
+    return summary_rows(load_results(paths))

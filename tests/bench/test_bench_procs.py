@@ -1,0 +1,76 @@
+"""Process handling of the sweep: every started process, and what it started, is gone after stop()."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.cli_sweep import parse_attach
+from pdserve.bench.procs import ManagedProcess, descendants, free_ports
+from pdserve.bench.sweep import format_qps, point_stem
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+def test_stop_kills_the_group_and_escaped_descendants(tmp_path: Path) -> None:
+    # a child ignoring SIGTERM, a grandchild in the group, and one that left the group with setsid
+    script = "trap '' TERM; sleep 60 & setsid sleep 61 & sleep 62"
+    proc = ManagedProcess("stubborn", ["bash", "-c", script], tmp_path / "logs" / "p.log")
+    _wait_for(lambda: len(descendants(proc.pid)) >= 3)
+    family = [proc.pid, *descendants(proc.pid)]
+    start = time.monotonic()
+    proc.stop(grace_s=0.5)
+    assert time.monotonic() - start < 5
+    _wait_for(lambda: not any(_alive(pid) for pid in family))
+    assert "$ bash -c" in (tmp_path / "logs" / "p.log").read_text()
+
+
+def test_wait_healthy_reports_an_early_exit(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        "broken", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], tmp_path / "b.log"
+    )
+    with pytest.raises(RuntimeError, match="(?s)exited with code 3.*no model here"):
+        proc.wait_healthy(f"http://127.0.0.1:{free_ports(1)[0]}/health", timeout_s=30)
+    proc.stop()
+
+
+def test_free_ports_are_distinct() -> None:
+    ports = free_ports(5)
+    assert len(set(ports)) == 5 and all(p > 0 for p in ports)
+
+
+def test_result_names() -> None:
+    assert point_stem("push", 1.0, 512, 64, 0) == "push_qps1_in512_out64_iter0"
+    assert point_stem("pull", 0.5, 128, 8, 2) == "pull_qps0.5_in128_out8_iter2"
+    assert format_qps(math.inf) == "inf"
+
+
+def test_parse_attach() -> None:
+    attach = parse_attach(["push=http://a:1", "pull=http://b:2,http://p:3,http://d:4"])
+    assert attach["push"].router_url == "http://a:1" and attach["push"].prefill_url is None
+    assert (attach["pull"].prefill_url, attach["pull"].decode_url) == ("http://p:3", "http://d:4")
+    with pytest.raises(ValueError):
+        parse_attach(["both=http://a:1"])
+
+
+def test_descendants_of_self_excludes_unrelated() -> None:
+    assert os.getppid() not in descendants(os.getpid())
