@@ -37,5 +37,3 @@ class SamplingParams:
     @classmethod
     def greedy(cls, max_tokens: int = 16, **kw: object) -> "SamplingParams":
         return cls(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
-
-

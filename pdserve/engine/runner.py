@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan
 from pdserve.model.decoder import Decoder
 

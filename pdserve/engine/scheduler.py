@@ -35,6 +35,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    out_of_blocks: list[Request] = field(default_factory=list)  # alone and still no block: finish ("length")
 
     @property
     def num_tokens(self) -> int:
@@ -148,11 +149,18 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + num_new, out):
+                if out.out_of_blocks:
+                    break  # req is the only running request and cannot grow
                 continue  # req itself was preempted; running[i] is now the next request (or none)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted_ids:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.cfg.max_num_seqs
+            and not (out.preempted_ids or out.out_of_blocks)
+        ):
             req = self.waiting[0]
             if req.needs_remote_kv and not req.remote_kv_ready:
                 if not self._park_for_remote_kv(req):
@@ -225,6 +233,10 @@ class Scheduler:
         """Give a running request blocks for num_tokens, preempting the newest running requests if needed.
         Returns False if req itself had to be preempted."""
         while not self._allocate_to(req, num_tokens):
+            if self.running == [req]:  # nobody left to preempt: the cache cannot hold this request
+                out.out_of_blocks.append(req)  # stays in running; the engine finishes it
+                req.finish_reason = "length"
+                return False
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)

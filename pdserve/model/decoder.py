@@ -124,6 +124,7 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in Hugging Face's *ForCausalLM into this module, fusing qkv and gate/up."""
+
         def take(name: str) -> torch.Tensor:
             if name not in sd:
                 raise KeyError(f"weight {name!r} missing from checkpoint")

@@ -1,0 +1,192 @@
+"""LLMEngine: the step loop that ties scheduler, worker and KV connector together (single thread)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_spec, num_blocks_for
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request
+from pdserve.engine.runner import Worker
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.text import TextTracker
+from pdserve.model.loader import load_model
+from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.factory import make_connectors
+
+MAX_TIMELINES = 2000  # finished requests whose timestamps GET /timeline can still show
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, wakeup: Callable[[], None] = lambda: None) -> None:
+        self.config = config
+        loaded = load_model(config.model)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.vocab_size = loaded.arch.vocab_size
+        self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.arch.eos_token_ids)
+        dtype = getattr(torch, config.model.dtype)
+        device = torch.device(config.model.device)
+        block_size = config.cache.block_size
+        self.num_blocks = num_blocks_for(config.cache, loaded.arch, dtype)
+        kv_cache = allocate_kv_cache(loaded.arch, self.num_blocks, block_size, dtype, device)
+        self.kv_scheduler, self.kv_worker = make_connectors(config.transfer, block_size)
+        self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler)
+        self.worker = Worker(loaded.decoder, kv_cache, device)
+        self.kv_worker.register_kv_cache(kv_cache, kv_cache_spec(kv_cache, loaded.name, config.model.dtype))
+        self.kv_worker.start(wakeup)  # joined in shutdown()
+        self._text: dict[str, TextTracker] = {}
+        self._timelines: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.ttft_seconds: list[float] = []  # new observations; drained by the metrics reader
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a user-facing message for input the engine cannot serve."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, longer than max_model_len {self.max_model_len}")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if -(-n // self.config.cache.block_size) > self.num_blocks:
+            raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache has ({self.num_blocks})")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, kv_transfer_params)
+        req.mark("arrival")
+        self._timelines[request_id] = {
+            "request_id": request_id,
+            "role": self.config.transfer.role,
+            "events": req.timeline,
+        }
+        while len(self._timelines) > MAX_TIMELINES:
+            self._timelines.popitem(last=False)
+        self._text[request_id] = TextTracker(self.tokenizer, params.stop)
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return None if req is None else self._output(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def has_transfers(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting_for_kv or s.pinned or s.aborting)
+
+    # ---- the step -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = self._apply_transfer_results()
+        batch = self.scheduler.schedule()
+        outputs += [self._finish(req, "length") for req in batch.out_of_blocks]
+        self._submit_transfers()  # D: registrations/reads for requests parked just now
+        for c in batch.chunks:
+            self.scheduler.requests[c.request_id].mark("prefill_start")
+        sampled = self.worker.execute(batch.chunks) if batch.chunks else {}
+        stopped = self.scheduler.update(batch, sampled)
+        outputs += self._postprocess(sampled, stopped)
+        self._submit_transfers()  # P: finished prefills ready to be sent
+        return outputs
+
+    def _submit_transfers(self) -> None:
+        meta = self.kv_scheduler.build_step_meta()
+        if meta:
+            self.kv_worker.submit(meta)
+
+    def _apply_transfer_results(self) -> list[RequestOutput]:
+        res = self.kv_worker.poll_results()
+        if not res:
+            return []
+        for rid, event, t in res.events:
+            if (tl := self._timelines.get(rid)) is not None:
+                tl["events"].setdefault(event, t)
+        outputs = []
+        for rid in res.finished_recvs:
+            self.scheduler.on_kv_received(rid)
+        recompute = self.config.transfer.load_failure_policy == "recompute"
+        for rid, reason in res.failed_recvs:
+            req = self.scheduler.on_kv_failed(rid, recompute)
+            if req is not None:
+                self.scheduler.finish(req, "error", f"KV transfer failed: {reason}")
+                outputs.append(self._output(req))
+        for rid in res.cancelled_recvs:
+            self.scheduler.on_recv_cancelled(rid)
+        for rid in res.finished_sends:
+            self.scheduler.on_send_finished(rid)
+        return outputs
+
+    def _postprocess(self, sampled: dict[str, int], stopped: list) -> list[RequestOutput]:
+        now = time.time()
+        outputs = []
+        stopped_ids = {r.request_id for r in stopped}
+        for rid in sampled:
+            req = self.scheduler.requests[rid]
+            if len(req.output_token_ids) == 1:
+                req.mark("first_token")
+                self.ttft_seconds.append(now - req.arrival_time)
+            text = self._text[rid]
+            if text.add(req.output_token_ids[-1]) and rid not in stopped_ids:
+                req.finish_reason = "stop"  # a stop string appeared
+                stopped.append(req)
+        outputs += [self._finish(req, req.finish_reason or "stop") for req in stopped]
+        outputs += [self._output(self.scheduler.requests[rid]) for rid in sampled if rid in self.scheduler.requests]
+        return outputs
+
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
+        params = self.scheduler.finish(req, reason)
+        req.mark("finished")
+        out = self._output(req)
+        out.kv_transfer_params = params
+        return out
+
+    def _output(self, req: Request) -> RequestOutput:
+        new = req.output_token_ids[req.output_sent :]
+        req.output_sent = len(req.output_token_ids)
+        finished = req.is_finished
+        text = self._text.pop(req.request_id) if finished else self._text[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            new_token_ids=new,
+            text=text.visible(finished),
+            finished=finished,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            num_cached_tokens=req.num_cached_tokens,
+            timeline=req.timeline,
+        )
+
+    # ---- introspection --------------------------------------------------------------------------------------
+    def timelines(self) -> list[dict[str, Any]]:
+        """A copy of recent timelines; safe to call from another thread (retries if the engine mutated them)."""
+        for _ in range(10):
+            try:
+                return [dict(t, events=dict(t["events"])) for t in list(self._timelines.values())]
+            except RuntimeError:  # changed size during iteration
+                continue
+        return []
+
+    def shutdown(self) -> None:
+        self.kv_worker.shutdown()

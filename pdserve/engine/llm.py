@@ -1,0 +1,74 @@
+"""Offline API: `LLM(model, ...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs the engine in the calling thread. Prompts are strings (tokenized with the model's tokenizer) or
+    lists of token ids; generate() returns one finished output per prompt, in order."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_gib: float = 1.0,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        num_threads: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model, dtype, device, load_format, max_model_len, seed, num_threads),  # type: ignore[arg-type]
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gib, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        order: dict[str, int] = {}
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("this model has no tokenizer (dummy weights): pass token-id lists")
+                token_ids = self.tokenizer.encode(p)
+            else:
+                token_ids = list(p)
+            self._counter += 1
+            request_id = f"offline-{self._counter}"
+            self.engine.add_request(request_id, token_ids, params)
+            order[request_id] = i
+        results: list[RequestOutput | None] = [None] * len(order)
+        while any(r is None for r in results):
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights)")
+        return self.generate([self.tokenizer.apply_chat_template(messages)], params)[0]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
