@@ -1,0 +1,143 @@
+"""Remote agents an instance talks to: handshakes (cached per address), loading metadata, liveness probes.
+
+Transfer thread only. Handshakes run on the side-channel thread; their replies come back here as posted
+commands, so the transfer thread never waits on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from pdserve.transfer.agent import AgentError
+from pdserve.transfer.handshake import REFUSED
+from pdserve.transfer.layout import BlockLayout
+from pdserve.transfer.wire import HandshakeReply, HandshakeRequest, Message, PeerInfo, Ping, Pong, incompatibility
+
+if TYPE_CHECKING:
+    from pdserve.transfer.worker import TransferContext
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 2.0
+
+PeerCallback = Callable[["Peer | None", "str | None"], None]  # (peer, error) — exactly one is None
+
+
+@dataclass
+class Peer:
+    info: PeerInfo
+    layout: BlockLayout  # where its KV cache is (addresses in its process)
+
+    @property
+    def agent_name(self) -> str:
+        return self.info.agent_name
+
+    @property
+    def engine_id(self) -> str:
+        return self.info.engine_id
+
+
+def layout_of(info: PeerInfo) -> BlockLayout:
+    return BlockLayout(
+        info.base_addr, info.num_layers, info.num_blocks, info.block_size, info.token_bytes, info.device_id
+    )
+
+
+class Peers:
+    def __init__(self, ctx: TransferContext) -> None:
+        self.ctx = ctx
+        self._by_addr: dict[tuple[str, int], Peer] = {}  # producers we handshook with
+        self._by_agent: dict[str, Peer] = {}  # every loaded remote agent
+        self._waiting: dict[tuple[str, int], list[tuple[str | None, PeerCallback]]] = {}  # handshakes in flight
+
+    def by_agent(self, agent_name: str) -> Peer | None:
+        return self._by_agent.get(agent_name)
+
+    # ---- outgoing handshakes ----------------------------------------------------------------------------------------
+    def connect(self, host: str, port: int, engine_id: str | None, load_me: bool, callback: PeerCallback) -> None:
+        """Handshake with the instance at host:port once (cached) and load its agent; callback(peer, None) or
+        callback(None, error) later on this thread. engine_id, if given, must match the peer's."""
+        key = (host, port)
+        peer = self._by_addr.get(key)
+        if peer is not None and (engine_id is None or engine_id == peer.engine_id):
+            callback(peer, None)
+            return
+        waiters = self._waiting.setdefault(key, [])
+        waiters.append((engine_id, callback))
+        if len(waiters) > 1:
+            return  # a handshake with this address is already in flight
+        req = HandshakeRequest(self.ctx.local, load_me)
+        self.ctx.side.request(
+            host, port, req, HANDSHAKE_TIMEOUT_S, lambda r, e: self.ctx.thread.post(lambda: self._on_reply(key, r, e))
+        )
+
+    def _on_reply(self, key: tuple[str, int], reply: Message | None, error: str | None) -> None:
+        waiters = self._waiting.pop(key, [])
+        peer = None
+        if error is None:
+            peer, error = self._accept_reply(key, reply)
+        for engine_id, cb in waiters:
+            if peer is not None and engine_id is not None and engine_id != peer.engine_id:
+                cb(None, f"{key[0]}:{key[1]} is engine {peer.engine_id!r}, not {engine_id!r} (restarted?)")
+            else:
+                cb(peer, error)
+
+    def _accept_reply(self, key: tuple[str, int], reply: Message | None) -> tuple[Peer | None, str | None]:
+        if not isinstance(reply, HandshakeReply):
+            return None, f"unexpected handshake reply {type(reply).__name__}"
+        err = incompatibility(self.ctx.local, reply.peer) if reply.peer is not None else None
+        if err is not None:  # (also when the peer refused us for it: word it from this side)
+            return None, err
+        if not reply.ok or reply.peer is None:
+            return None, f"handshake refused by {key[0]}:{key[1]}: {reply.error}"
+        try:
+            peer = self._load(reply.peer)
+        except AgentError as e:
+            return None, str(e)
+        old = self._by_addr.get(key)
+        if old is not None and old.agent_name != peer.agent_name:
+            self.forget(old)
+        self._by_addr[key] = peer
+        return peer, None
+
+    # ---- incoming handshakes ----------------------------------------------------------------------------------------
+    def accept(self, info: PeerInfo) -> None:
+        """Load a consumer's agent announced in its handshake (push: P writes into it). Raises AgentError."""
+        self._load(info)
+
+    def _load(self, info: PeerInfo) -> Peer:
+        peer = self._by_agent.get(info.agent_name)
+        if peer is None:
+            name = self.ctx.agent.add_peer(info.agent_metadata)
+            if name != info.agent_name:
+                log.warning("agent metadata names %r, handshake said %r", name, info.agent_name)
+            info = replace(info, agent_name=name, agent_metadata=b"")  # the metadata is not needed again
+            peer = Peer(info, layout_of(info))
+            self._by_agent[name] = peer
+        return peer
+
+    def forget(self, peer: Peer) -> None:
+        """Drop a peer that died or was replaced; the next request handshakes afresh."""
+        if self._by_agent.pop(peer.agent_name, None) is None:
+            return
+        self._by_addr = {k: p for k, p in self._by_addr.items() if p is not peer}
+        self.ctx.agent.remove_peer(peer.agent_name)
+        log.info("forgot peer %s (%s)", peer.engine_id, peer.agent_name)
+
+    # ---- liveness -----------------------------------------------------------------------------------------------
+    def probe(self, host: str, port: int, peer: Peer, callback: Callable[[bool | None], None]) -> None:
+        """Is peer's agent still alive? callback(False) when its side channel refuses or another agent
+        answers there (the process is gone), True when it answers, None when unknown (timeout)."""
+
+        def on_reply(reply: Message | None, error: str | None) -> None:
+            if isinstance(reply, Pong):
+                alive: bool | None = reply.agent_name == peer.agent_name
+            else:
+                alive = False if error and REFUSED in error else None
+            self.ctx.thread.post(lambda: callback(alive))
+
+        self.ctx.side.request(host, port, Ping(), PROBE_TIMEOUT_S, on_reply)

@@ -1,0 +1,78 @@
+"""Thread-safe hand-back from the transfer thread to the engine: results, timeline events, counters."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from pdserve.transfer.base import TransferResults, TransferStats
+
+
+class ResultSink:
+    """Written by the transfer thread, drained by the engine thread (poll_results) and metrics (stats)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._results = TransferResults()
+        self._stats = TransferStats()
+        self.wakeup: Callable[[], None] = lambda: None  # set by ConnectorWorker.start()
+
+    # ---- results (each call wakes the engine) -------------------------------------------------------------------
+    def recv_finished(self, request_id: str, num_bytes: int, seconds: float | None) -> None:
+        with self._lock:
+            self._results.finished_recvs.append(request_id)
+            self._results.events.append((request_id, "kv_received", time.time()))
+            self._stats.received_bytes += num_bytes
+            self._stats.transfers_ok += 1
+            if seconds is not None:
+                self._stats.transfer_seconds.append(seconds)
+        self.wakeup()
+
+    def recv_failed(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._results.failed_recvs.append((request_id, reason))
+            self._stats.transfers_failed += 1
+        self.wakeup()
+
+    def recv_cancelled(self, request_id: str) -> None:
+        with self._lock:
+            self._results.cancelled_recvs.append(request_id)
+        self.wakeup()
+
+    def send_finished(self, request_id: str, outcome: str, num_bytes: int = 0, seconds: float | None = None) -> None:
+        """outcome: "ok" (consumed), "failed" or "expired" (lease ran out); P may free the blocks now."""
+        with self._lock:
+            self._results.finished_sends.append(request_id)
+            self._stats.sent_bytes += num_bytes
+            if outcome == "ok":
+                self._stats.transfers_ok += 1
+            elif outcome == "expired":
+                self._stats.transfers_expired += 1
+            else:
+                self._stats.transfers_failed += 1
+            if seconds is not None:
+                self._stats.transfer_seconds.append(seconds)
+        self.wakeup()
+
+    def event(self, request_id: str, name: str, t: float | None = None) -> None:
+        """A timeline event; does not wake the engine (it is picked up with the next result)."""
+        with self._lock:
+            self._results.events.append((request_id, name, time.time() if t is None else t))
+
+    # ---- readers ------------------------------------------------------------------------------------------------
+    def drain(self) -> TransferResults:
+        with self._lock:
+            out, self._results = self._results, TransferResults()
+        return out
+
+    def stats(self) -> TransferStats:
+        """A snapshot; transfer_seconds is drained."""
+        with self._lock:
+            s = self._stats
+            snap = TransferStats(
+                s.sent_bytes, s.received_bytes, s.transfers_ok, s.transfers_failed, s.transfers_expired,
+                s.transfer_seconds,
+            )  # fmt: skip
+            s.transfer_seconds = []
+        return snap

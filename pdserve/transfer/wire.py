@@ -1,0 +1,252 @@
+"""Wire messages of the transfer layer: side-channel frames and NIXL notifications (msgpack; never pickle).
+
+Every message is a msgpack map {"type": <name>, "v": WIRE_VERSION, <fields>}; encode() and decode() are the
+only ways in and out, and decode() checks the version, the type and every field's type, raising WireError
+on anything else (a malformed message from a peer must never crash the transfer thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+import msgpack
+
+# 1: first version — handshake, ping, pull release, push register/done/cancel/cancel-ack/fail (2026-11-30).
+WIRE_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
+
+
+class WireError(ValueError):
+    """A message could not be decoded (bad bytes, unknown type, wrong version, wrong field types)."""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """One instance's handshake payload: who it is, where its KV cache is, and what it is compatible with."""
+
+    engine_id: str
+    agent_name: str  # NIXL agent name (unique per process)
+    agent_metadata: bytes  # nixl_agent.get_agent_metadata()
+    model_name: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int  # heads held by this rank
+    head_dim: int
+    transfer_mode: str  # "pull" | "push"
+    wire_version: int
+    base_addr: int  # KV cache address in the owner's process
+    num_blocks: int
+    block_size: int
+    token_bytes: int
+    device_id: int
+    memory: str  # "DRAM" | "VRAM"
+    tp_rank: int
+    tp_size: int
+    compat_hash: str
+
+
+@dataclass(frozen=True)
+class HandshakeRequest:
+    """Side channel, consumer -> producer: here is who I am; tell me who you are."""
+
+    peer: PeerInfo
+    load_me: bool  # push: the producer must load this agent to WRITE into it and answer it
+
+
+@dataclass(frozen=True)
+class HandshakeReply:
+    ok: bool
+    peer: PeerInfo | None  # the producer's info (also on refusal, so the consumer can word the error)
+    error: str  # why the handshake was refused when not ok
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Side channel liveness probe (a consumer asking whether a producer's agent still exists)."""
+
+
+@dataclass(frozen=True)
+class Pong:
+    engine_id: str
+    agent_name: str
+
+
+@dataclass(frozen=True)
+class PullRelease:
+    """Notification D -> P (pull): D is done with P's pinned blocks of request_id."""
+
+    request_id: str  # P's request id (remote_request_id in D's params)
+    ok: bool  # False: D gave up (P counts the transfer as failed)
+    num_bytes: int  # bytes D read
+
+
+@dataclass(frozen=True)
+class PushRegister:
+    """Notification D -> P (push): write tokens [start_token, start_token + num_tokens) into these blocks."""
+
+    transfer_id: str
+    attempt: int  # a newer attempt supersedes older ones; data for an old attempt never lands in a new one
+    engine_id: str  # D's engine id
+    block_ids: list[int]  # D's blocks covering tokens [0, start_token + num_tokens)
+    block_size: int  # D's tokens per block
+    start_token: int
+    num_tokens: int
+    tp_rank: int  # D's rank
+
+
+@dataclass(frozen=True)
+class PushDone:
+    """Notification P -> D carried by the WRITE (arrives after the data): one producer rank has written."""
+
+    transfer_id: str
+    attempt: int
+    producer_rank: int
+    num_producers: int  # completions D must count before the request may run
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class PushCancel:
+    """Notification D -> P (push): D gives up on this attempt; answer with PushCancelAck."""
+
+    transfer_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class PushCancelAck:
+    """Notification P -> D: nothing more will be written for this attempt."""
+
+    transfer_id: str
+    attempt: int
+    producer_rank: int
+    landed: bool  # this rank's write completed before the cancel (its data is in D's blocks)
+
+
+@dataclass(frozen=True)
+class PushFail:
+    """Notification P -> D: P will never write this attempt (expired, aborted, error); D's blocks are safe."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+
+
+Message = (
+    HandshakeRequest
+    | HandshakeReply
+    | Ping
+    | Pong
+    | PullRelease
+    | PushRegister
+    | PushDone
+    | PushCancel
+    | PushCancelAck
+    | PushFail
+)
+_TYPES: dict[str, type] = {
+    c.__name__: c
+    for c in (
+        HandshakeRequest,
+        HandshakeReply,
+        Ping,
+        Pong,
+        PullRelease,
+        PushRegister,
+        PushDone,
+        PushCancel,
+        PushCancelAck,
+        PushFail,
+    )
+}
+
+
+_HINTS: dict[type, dict[str, Any]] = {}  # field types per message class, filled lazily (get_type_hints is slow)
+
+
+def _to_plain(msg: Any) -> dict[str, Any]:
+    return {f.name: _plain_value(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+
+
+def _plain_value(v: Any) -> Any:
+    return _to_plain(v) if dataclasses.is_dataclass(v) else v
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb({"type": type(msg).__name__, "v": WIRE_VERSION, **_to_plain(msg)}, use_bin_type=True)
+
+
+def _check(cls: type, name: str, v: Any, hint: Any) -> Any:
+    if hint in (int, str, bytes, bool):
+        if type(v) is not hint:  # noqa: E721 (bool is not an int here)
+            raise WireError(f"{cls.__name__}.{name}: expected {hint.__name__}, got {type(v).__name__}")
+        return v
+    if hint == list[int]:
+        if not isinstance(v, list) or any(type(x) is not int for x in v):
+            raise WireError(f"{cls.__name__}.{name}: expected a list of int")
+        return v
+    if hint == PeerInfo or hint == PeerInfo | None:
+        if v is None and hint != PeerInfo:
+            return None
+        if not isinstance(v, dict):
+            raise WireError(f"{cls.__name__}.{name}: expected a map")
+        return _build(PeerInfo, v)
+    raise WireError(f"{cls.__name__}.{name}: unsupported field type {hint}")  # a bug in this file
+
+
+def _build(cls: type, fields: dict[str, Any]) -> Any:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = get_type_hints(cls)
+    missing = [n for n in hints if n not in fields]
+    if missing:
+        raise WireError(f"{cls.__name__}: missing fields {missing}")
+    return cls(**{n: _check(cls, n, fields[n], h) for n, h in hints.items()})
+
+
+def decode(data: bytes) -> Message:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes is larger than {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"not msgpack: {e}") from None
+    if not isinstance(obj, dict):
+        raise WireError("message is not a map")
+    if obj.get("v") != WIRE_VERSION:
+        raise WireError(f"wire version {obj.get('v')!r}, this instance speaks {WIRE_VERSION}")
+    cls = _TYPES.get(obj.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise WireError(f"unknown message type {obj.get('type')!r}")
+    return _build(cls, obj)
+
+
+# ---- compatibility --------------------------------------------------------------------------------------------
+COMPAT_FIELDS = ("model_name", "dtype", "num_layers", "num_kv_heads", "head_dim", "transfer_mode", "wire_version")
+
+
+def compat_hash(values: dict[str, Any]) -> str:
+    """Hash over the fields two instances must agree on (COMPAT_FIELDS)."""
+    packed = msgpack.packb([[k, values[k]] for k in COMPAT_FIELDS], use_bin_type=True)
+    return hashlib.sha256(packed).hexdigest()[:16]
+
+
+def incompatibility(local: PeerInfo, peer: PeerInfo) -> str | None:
+    """None if the two can exchange KV, else an error naming both sides' values."""
+    if local.compat_hash == peer.compat_hash == compat_hash(dataclasses.asdict(peer)):
+        return None
+    diffs = []
+    for name in COMPAT_FIELDS:
+        mine, theirs = getattr(local, name), getattr(peer, name)
+        if mine == theirs:
+            continue
+        if name == "transfer_mode":
+            diffs.append(f"peer is in {theirs} mode, this instance is in {mine} mode")
+        else:
+            diffs.append(f"{name}: peer has {theirs!r}, this instance has {mine!r}")
+    if not diffs:
+        diffs.append(f"compatibility hash: peer sent {peer.compat_hash}, this instance has {local.compat_hash}")
+    return f"incompatible with peer engine {peer.engine_id!r}: " + "; ".join(diffs)

@@ -1,0 +1,189 @@
+"""NixlWorker: the ConnectorWorker shared by pull and push; a mode plugs in its Core (the transfer-thread half).
+
+Threads of one worker (one per instance / rank):
+- the caller's (engine) thread: register_kv_cache, start, submit, poll_results, stats, shutdown;
+- the transfer thread (writer.py): owns the NIXL agent; runs the core, timers and posted commands;
+- the side-channel thread (handshake.py): serves handshakes and pings, runs outgoing handshakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdserve.config import TransferConfig
+from pdserve.transfer.agent import AgentError, NixlAgent
+from pdserve.transfer.base import ConnectorWorker, KVCacheSpec, StepMeta, TransferResults, TransferStats
+from pdserve.transfer.handshake import SideChannel
+from pdserve.transfer.layout import BlockLayout
+from pdserve.transfer.peers import Peers
+from pdserve.transfer.results import ResultSink
+from pdserve.transfer.wire import (
+    WIRE_VERSION,
+    HandshakeReply,
+    HandshakeRequest,
+    Message,
+    PeerInfo,
+    Ping,
+    Pong,
+    WireError,
+    compat_hash,
+    decode,
+    incompatibility,
+)
+from pdserve.transfer.writer import TransferThread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferContext:
+    """What a mode's core works with; everything here is used on the transfer thread only, except sink,
+    thread.post/call and side.request, which are thread-safe."""
+
+    cfg: TransferConfig
+    spec: KVCacheSpec
+    layout: BlockLayout  # this instance's KV cache
+    agent: NixlAgent
+    local: PeerInfo  # this instance's handshake payload
+    side: SideChannel
+    thread: TransferThread
+    sink: ResultSink
+    peers: Peers
+
+
+class ModeCore(Protocol):
+    def on_step(self, meta: StepMeta, now: float) -> None: ...
+    def on_notif(self, sender: str, msg: Message, now: float) -> None: ...
+    def progress(self, now: float) -> bool: ...
+    def in_flight(self) -> bool: ...
+
+
+class _Dispatch:
+    """Per loop turn: read notifications (this also drives NIXL progress as a target), hand them to the
+    mode's core, then let the core poll its posted transfers."""
+
+    def __init__(self, ctx: TransferContext, core: ModeCore) -> None:
+        self.ctx, self.core = ctx, core
+
+    def progress(self, now: float) -> bool:
+        for sender, raw in self.ctx.agent.notifications():
+            try:
+                msg = decode(raw)
+            except WireError as e:
+                log.warning("dropping a malformed notification from %s: %s", sender, e)
+                continue
+            self.core.on_notif(sender, msg, now)
+        return self.core.progress(now)
+
+    def in_flight(self) -> bool:
+        return self.core.in_flight()
+
+
+def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent) -> PeerInfo:
+    values: dict[str, Any] = dict(
+        model_name=spec.model_name,
+        dtype=spec.dtype,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        transfer_mode=cfg.mode,
+        wire_version=WIRE_VERSION,
+    )
+    return PeerInfo(
+        engine_id=cfg.engine_id,
+        agent_name=agent.name,
+        agent_metadata=agent.metadata,
+        base_addr=spec.base_addr,
+        num_blocks=spec.num_blocks,
+        block_size=spec.block_size,
+        token_bytes=spec.token_bytes,
+        device_id=spec.device_id,
+        memory=spec.memory,
+        tp_rank=spec.tp_rank,
+        tp_size=spec.tp_size,
+        compat_hash=compat_hash(values),
+        **values,
+    )
+
+
+class NixlWorker(ConnectorWorker):
+    """Subclasses provide make_core(ctx) -> ModeCore."""
+
+    def __init__(self, cfg: TransferConfig, side: SideChannel) -> None:
+        self.cfg = cfg
+        self.side = side
+        self.sink = ResultSink()
+        self.thread = TransferThread(f"pdserve-transfer-{cfg.engine_id}")
+        self.ctx: TransferContext | None = None
+        self._core: ModeCore | None = None
+        self._started = False
+
+    def make_core(self, ctx: TransferContext) -> ModeCore:
+        raise NotImplementedError
+
+    def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
+        name = f"{self.cfg.engine_id}-r{spec.tp_rank}-{uuid.uuid4().hex[:8]}"
+        agent = NixlAgent(name, kv_cache, spec)
+        ctx = TransferContext(
+            self.cfg, spec, BlockLayout.from_spec(spec), agent, local_peer_info(self.cfg, spec, agent),
+            self.side, self.thread, self.sink, None,  # type: ignore[arg-type]
+        )  # fmt: skip
+        ctx.peers = Peers(ctx)
+        self.ctx = ctx
+
+    def start(self, wakeup: Callable[[], None]) -> None:
+        # Start order: transfer thread, then side channel (a handshake may post work to the thread at once).
+        # Shutdown order (shutdown()): side channel first (no new handshakes), then the transfer thread
+        # (after its in-flight transfers drained), then the agent (deregister memory) — nothing may call
+        # the agent once it is closed.
+        if self.ctx is None:
+            raise RuntimeError("register_kv_cache() must come before start()")
+        self.sink.wakeup = wakeup
+        self._core = self.make_core(self.ctx)
+        self.thread.start(_Dispatch(self.ctx, self._core))
+        self.side.start(self._serve)
+        self._started = True
+
+    def submit(self, meta: StepMeta) -> None:
+        if meta:
+            core = self._core
+            self.thread.post(lambda: core.on_step(meta, time.monotonic()))
+
+    def poll_results(self) -> TransferResults:
+        return self.sink.drain()
+
+    def stats(self) -> TransferStats:
+        return self.sink.stats()
+
+    def shutdown(self) -> None:
+        self.side.close()
+        self.thread.stop()
+        if self.ctx is not None:
+            self.ctx.agent.close()
+            self.ctx = None
+
+    # ---- side channel (runs on the side-channel thread) ---------------------------------------------------------
+    async def _serve(self, msg: Message) -> Message:
+        ctx = self.ctx
+        if ctx is None:
+            return HandshakeReply(False, None, "this instance has no KV cache registered yet")
+        if isinstance(msg, Ping):
+            return Pong(ctx.local.engine_id, ctx.local.agent_name)
+        if not isinstance(msg, HandshakeRequest):
+            return HandshakeReply(False, None, f"unexpected side-channel message {type(msg).__name__}")
+        err = incompatibility(ctx.local, msg.peer)
+        if err is not None:
+            log.warning("refused a handshake: %s", err)
+            return HandshakeReply(False, ctx.local, err)  # our info lets the peer word the error its way
+        if msg.load_me:
+            try:
+                await asyncio.wrap_future(self.thread.call(lambda: ctx.peers.accept(msg.peer)))
+            except AgentError as e:
+                return HandshakeReply(False, None, f"cannot load agent {msg.peer.agent_name}: {e}")
+        return HandshakeReply(True, ctx.local, "")

@@ -1,0 +1,165 @@
+"""Test harness: one connector pair (scheduler + worker) in its own process, driven like the engine drives it.
+
+The child runs an engine-like loop (build_step_meta -> submit, poll_results) and obeys commands from the
+test over a pipe. Its KV cache is a tiny float32 tensor [layers, 2, blocks, block_size, heads, head_dim]:
+a producer's holds known, unique values; a consumer's starts at -1 so any stray byte shows.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 4
+
+
+def shape(num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (NUM_LAYERS, 2, num_blocks, block_size, NUM_HEADS, HEAD_DIM)
+
+
+def _child(conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: int, fill: str, model: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(levelname)s %(message)s")
+    from pdserve.config import TransferConfig
+    from pdserve.transfer.base import KVCacheSpec
+    from pdserve.transfer.factory import make_connectors
+
+    torch.set_num_threads(1)
+    cfg = TransferConfig(**cfg_kwargs)
+    sched, worker = make_connectors(cfg, block_size)
+    n = int(np.prod(shape(num_blocks, block_size)))
+    if fill == "values":
+        kv = (torch.arange(n, dtype=torch.float32) + 1.0).reshape(shape(num_blocks, block_size))
+    else:
+        kv = torch.full(shape(num_blocks, block_size), -1.0)
+    spec = KVCacheSpec(kv.data_ptr(), NUM_LAYERS, num_blocks, block_size, NUM_HEADS, HEAD_DIM, 4, "DRAM", 0, model,
+                       "float32")  # fmt: skip
+    worker.register_kv_cache(kv, spec)
+    worker.start(lambda: None)
+    results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "cancelled_recvs": [],
+                                "finished_sends": [], "events": []}  # fmt: skip
+    conn.send(("ready", sched.info()))
+    while True:
+        if conn.poll(0.0005):
+            cmd, *args = conn.recv()
+            if cmd == "shutdown":
+                worker.shutdown()
+                conn.send(("ok", None))
+                return
+            reply: Any = None
+            if cmd == "needs":
+                reply = sched.needs_remote_kv(*args)
+            elif cmd == "alloc":
+                sched.on_blocks_allocated(*args)
+            elif cmd == "finish":
+                reply = sched.on_request_finished(*args)
+            elif cmd == "abort":
+                sched.on_recv_aborted(*args)
+            elif cmd == "results":
+                reply = {k: list(v) for k, v in results.items()}
+            elif cmd == "kv":
+                reply = kv.numpy().copy()
+            elif cmd == "stats":
+                reply = asdict(worker.stats())
+            conn.send(("ok", reply))
+        meta = sched.build_step_meta()
+        if meta:
+            worker.submit(meta)
+        res = worker.poll_results()
+        for k in results:
+            results[k].extend(getattr(res, k))
+
+
+class Instance:
+    """A connector pair in a child process."""
+
+    def __init__(self, role: str, mode: str, block_size: int = 4, num_blocks: int = 16, model: str = "tiny",
+                 **cfg: Any) -> None:  # fmt: skip
+        self.block_size, self.num_blocks = block_size, num_blocks
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        kwargs = dict(role=role, mode=mode, side_channel_port=0, engine_id=f"{role}-{os.getpid()}-{id(self)}", **cfg)
+        fill = "values" if role == "prefill" else "empty"
+        self.proc = ctx.Process(target=_child, args=(child, kwargs, block_size, num_blocks, fill, model), daemon=True)
+        self.proc.start()
+        self.info: dict[str, Any] | None = None
+
+    def wait_ready(self, timeout: float = 60.0) -> Instance:
+        if self.info is None:
+            if not self.conn.poll(timeout):
+                raise TimeoutError("instance did not start")
+            _, self.info = self.conn.recv()
+        return self
+
+    def call(self, *cmd: Any, timeout: float = 30.0) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"no answer to {cmd[0]}")
+        return self.conn.recv()[1]
+
+    def results(self) -> dict[str, list]:
+        return self.call("results")
+
+    def wait_result(self, request_id: str, timeout: float = 10.0) -> tuple[str, Any]:
+        """(kind, value) of the first recv result for request_id: finished / failed (reason) / cancelled."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = self.results()
+            if request_id in r["finished_recvs"]:
+                return "finished", None
+            for rid, reason in r["failed_recvs"]:
+                if rid == request_id:
+                    return "failed", reason
+            if request_id in r["cancelled_recvs"]:
+                return "cancelled", None
+            time.sleep(0.005)
+        raise TimeoutError(f"no recv result for {request_id} within {timeout} s")
+
+    def wait_send(self, request_id: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if request_id in self.results()["finished_sends"]:
+                return
+            time.sleep(0.005)
+        raise TimeoutError(f"send of {request_id} not finished within {timeout} s")
+
+    def count(self, kind: str, request_id: str) -> int:
+        r = self.results()[kind]
+        return sum(1 for x in r if (x[0] if isinstance(x, tuple | list) else x) == request_id)
+
+    def kv(self) -> np.ndarray:
+        return self.call("kv")
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("shutdown", timeout=15)
+            except (TimeoutError, EOFError, BrokenPipeError, OSError):
+                pass
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+
+
+def expected_kv(d_before: np.ndarray, p_kv: np.ndarray, d_blocks: list[int], p_blocks: list[int], start: int,
+                num_tokens: int) -> np.ndarray:  # fmt: skip
+    """D's cache after tokens [start, start + num_tokens) were copied from P's blocks into D's."""
+    out = d_before.copy()
+    dbs, pbs = d_before.shape[3], p_kv.shape[3]
+    for t in range(start, start + num_tokens):
+        out[:, :, d_blocks[t // dbs], t % dbs] = p_kv[:, :, p_blocks[t // pbs], t % pbs]
+    return out

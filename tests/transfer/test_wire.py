@@ -1,0 +1,105 @@
+"""Wire messages: round trips, refusal of malformed input, compatibility errors naming both sides."""
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from pdserve.transfer.wire import (
+    WIRE_VERSION,
+    HandshakeReply,
+    HandshakeRequest,
+    PeerInfo,
+    Ping,
+    PullRelease,
+    PushCancelAck,
+    PushRegister,
+    WireError,
+    compat_hash,
+    decode,
+    encode,
+    incompatibility,
+)
+
+
+def info(**kw) -> PeerInfo:
+    v = dict(model_name="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4, transfer_mode="pull",
+             wire_version=WIRE_VERSION)  # fmt: skip
+    v.update(kw)
+    return PeerInfo(engine_id="e1", agent_name="a1", agent_metadata=b"\x00md", base_addr=1 << 40, num_blocks=16,
+                    block_size=4, token_bytes=32, device_id=0, memory="DRAM", tp_rank=0, tp_size=1,
+                    compat_hash=compat_hash(v), **v)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Ping(),
+        PullRelease("r1", True, 123),
+        PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0),
+        PushCancelAck("t1", 0, 0, False),
+        HandshakeRequest(info(), True),
+        HandshakeReply(True, info(), ""),
+        HandshakeReply(False, None, "no"),
+    ],
+)
+def test_round_trip(msg):
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        (b"\xc1garbage", "not msgpack"),
+        (msgpack.packb([1, 2]), "not a map"),
+        (msgpack.packb({"type": "Ping", "v": WIRE_VERSION + 1}), "wire version"),
+        (msgpack.packb({"type": "Nope", "v": WIRE_VERSION}), "unknown message type"),
+        (msgpack.packb({"type": "PullRelease", "v": WIRE_VERSION, "request_id": "r"}), "missing fields"),
+        (
+            msgpack.packb({"type": "PullRelease", "v": WIRE_VERSION, "request_id": 1, "ok": True, "num_bytes": 1}),
+            "expected str",
+        ),  # fmt: skip
+        (
+            msgpack.packb(
+                {
+                    "type": "PushRegister",
+                    "v": WIRE_VERSION,
+                    "transfer_id": "t",
+                    "attempt": 0,
+                    "engine_id": "d",
+                    "block_ids": [1, "x"],
+                    "block_size": 4,
+                    "start_token": 0,
+                    "num_tokens": 1,
+                    "tp_rank": 0,
+                }
+            ),
+            "list of int",
+        ),  # fmt: skip
+        (
+            msgpack.packb({"type": "PullRelease", "v": WIRE_VERSION, "request_id": "r", "ok": 1, "num_bytes": 1}),
+            "expected bool",
+        ),  # fmt: skip
+    ],
+)
+def test_malformed_is_refused(raw, match):
+    with pytest.raises(WireError, match=match):
+        decode(raw)
+
+
+def test_never_pickle():
+    assert b"pickle" not in encode(HandshakeRequest(info(), False))
+    assert isinstance(msgpack.unpackb(encode(Ping())), dict)
+
+
+def test_compatible_and_mode_mismatch_names_both_sides():
+    assert incompatibility(info(), info()) is None
+    err = incompatibility(info(transfer_mode="pull"), info(transfer_mode="push"))
+    assert "peer is in push mode, this instance is in pull mode" in err
+    err = incompatibility(info(num_layers=2, dtype="float32"), info(num_layers=3, dtype="bfloat16"))
+    assert "num_layers: peer has 3, this instance has 2" in err and "'bfloat16'" in err
+
+
+def test_forged_hash_is_refused():
+    bad = dataclasses.replace(info(), compat_hash="0" * 16)
+    assert "compatibility hash" in incompatibility(info(), bad)
