@@ -1,0 +1,58 @@
+"""`pdserve proxy --mode pull|push --prefill URL... --decode URL...`: the P/D router."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.router.policy import POLICIES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=["pull", "push"], default="pull", help="KV transfer orchestration (default pull)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instance base URL(s)")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instance base URL(s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--policy", choices=POLICIES, default="least-loaded", help="instance choice per leg (default least-loaded)"
+    )
+    p.add_argument(
+        "--connect-timeout-s", type=float, default=10.0, help="seconds to open a connection to a backend (default 10)"
+    )
+    p.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=5.0,
+        help="seconds for a backend's /health or /kv_transfer/info to answer (default 5)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    import uvicorn
+
+    from pdserve.router.proxy import RouterConfig, build_app
+
+    try:
+        config = RouterConfig(
+            mode=args.mode,
+            prefill_urls=tuple(args.prefill),
+            decode_urls=tuple(args.decode),
+            policy=args.policy,
+            connect_timeout_s=args.connect_timeout_s,
+            health_timeout_s=args.health_timeout_s,
+        )
+    except ValueError as e:
+        print(f"pdserve proxy: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger("pdserve.router").info(
+        "router (%s mode, %s) on http://%s:%d: prefill %s, decode %s",
+        config.mode, config.policy, args.host, args.port, ", ".join(config.prefill_urls), ", ".join(config.decode_urls),
+    )  # fmt: skip
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

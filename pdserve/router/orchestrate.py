@@ -1,0 +1,267 @@
+"""One client request split into a prefill leg and a decode leg, in pull or push mode (DESIGN.md).
+
+pull: P answers first (max_tokens=1, do_remote_decode) with its KV coordinates; D then gets the original
+      body plus those coordinates, and D's answer (streamed or not) goes back to the client.
+push: P and D are chosen at arrival and both legs leave at once with one fresh transfer_id; D's
+      kv_transfer_params carry P's coordinates from P's GET /kv_transfer/info (cached per P URL). If P's leg
+      fails, D's leg is cancelled and the client gets a 502 naming the prefill leg.
+
+Both legs carry the client's X-Request-Id. A client that disconnects cancels the legs in flight: their
+connections close, and each backend aborts its request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.router.policy import Lease, Pool
+from pdserve.router.upstream import LegError, get_json, open_stream, post_json
+from pdserve.server.disconnect import ClientDisconnected, race_disconnect, until_disconnect
+from pdserve.server.protocol import ErrorResponse
+
+log = logging.getLogger(__name__)
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+@dataclass
+class Call:
+    """One client request as the router handles it."""
+
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict[str, Any]  # the client's JSON body, untouched
+    request_id: str  # sent to both legs as X-Request-Id
+    http: Request  # the client's request, watched for a disconnect
+    prefill_url: str | None = None  # chosen instances, for the log line
+    decode_url: str | None = None
+    headers: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.headers = {REQUEST_ID_HEADER: self.request_id}
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """The P leg: the client's body cut to one output token, not streamed, with P's transfer params."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+def _error_event(message: str) -> bytes:
+    return f"data: {json.dumps(ErrorResponse.of(502, message).model_dump())}\n\ndata: [DONE]\n\n".encode()
+
+
+class Orchestrator:
+    """Runs calls in `mode` over the prefill and decode pools with one shared aiohttp session."""
+
+    def __init__(
+        self, mode: str, prefill: Pool, decode: Pool, session: aiohttp.ClientSession, info_timeout_s: float = 10.0
+    ) -> None:
+        if mode not in ("pull", "push"):
+            raise ValueError(f"mode {mode!r} is not one of pull, push")
+        self.mode = mode
+        self.prefill = prefill
+        self.decode = decode
+        self.session = session
+        self.info_timeout_s = info_timeout_s
+        self._prefill_info: dict[str, asyncio.Future[dict[str, Any]]] = {}  # P URL -> its /kv_transfer/info
+        self._background: set[asyncio.Task[Any]] = set()  # P legs still finishing after D answered
+
+    async def handle(self, call: Call) -> Response:
+        """The client's answer; raises LegError or ClientDisconnected."""
+        return await (self._pull(call) if self.mode == "pull" else self._push(call))
+
+    # --- pull -------------------------------------------------------------------------------------------
+
+    async def _pull(self, call: Call) -> Response:
+        p = self.prefill.choose()
+        call.prefill_url = p.url
+        with self.prefill.lease(p):
+            body = prefill_body(call.body, {"do_remote_decode": True})
+            answer = await race_disconnect(
+                post_json(self.session, "prefill", p.url, call.path, body, call.headers), call.http
+            )
+        kv = answer.get("kv_transfer_params")
+        if not kv:
+            log.warning(
+                "request %s: prefill %s returned no kv_transfer_params; decode will prefill", call.request_id, p.url
+            )
+        d = self.decode.choose()
+        call.decode_url = d.url
+        d_body = {**call.body, "kv_transfer_params": kv}
+        if not call.is_stream:
+            with self.decode.lease(d):
+                answer = await race_disconnect(
+                    post_json(self.session, "decode", d.url, call.path, d_body, call.headers), call.http
+                )
+            return JSONResponse(answer, headers=call.headers)
+        d_lease = self.decode.lease(d)
+        try:
+            resp = await race_disconnect(
+                open_stream(self.session, "decode", d.url, call.path, d_body, call.headers), call.http
+            )
+        except BaseException:
+            d_lease.release()
+            raise
+        return self._relay_stream(call, resp, d_lease, [])
+
+    # --- push -------------------------------------------------------------------------------------------
+
+    async def _push(self, call: Call) -> Response:
+        p, d = self.prefill.choose(), self.decode.choose()
+        call.prefill_url, call.decode_url = p.url, d.url
+        info = await race_disconnect(self.prefill_info(p.url), call.http)
+        transfer_id = uuid.uuid4().hex
+        p_body = prefill_body(
+            call.body, {"do_remote_decode": True, "transfer_id": transfer_id, "transfer_mode": "push"}
+        )
+        d_kv = {
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_engine_id": info["engine_id"],
+            "remote_host": info["side_channel_host"],
+            "remote_port": info["side_channel_port"],
+            "tp_size": info.get("tp_size", 1),
+            "transfer_mode": "push",
+        }
+        d_body = {**call.body, "kv_transfer_params": d_kv}
+        p_task = asyncio.create_task(self._leased(self.prefill.lease(p), p_body, call, "prefill"))
+        d_lease = self.decode.lease(d)
+        opener = open_stream if call.is_stream else post_json
+        d_task: asyncio.Task[Any] = asyncio.create_task(
+            opener(self.session, "decode", d.url, call.path, d_body, call.headers)
+        )
+        watch = asyncio.create_task(until_disconnect(call.http))
+        succeeded = False
+        try:
+            waiting: set[asyncio.Future[Any]] = {p_task, d_task, watch}
+            while not d_task.done():
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done:
+                    raise ClientDisconnected()
+                if p_task in done:
+                    waiting.discard(p_task)
+                    p_task.result()  # raises the prefill leg's LegError; D's leg is cancelled below
+            result = d_task.result()  # raises the decode leg's LegError; P's leg is cancelled below
+            succeeded = True
+        finally:
+            watch.cancel()
+            if not succeeded:
+                d_lease.release()
+                self._prefill_info.pop(p.url, None)  # P may have restarted with new coordinates
+                for t in (p_task, d_task):
+                    t.cancel()
+                await asyncio.gather(p_task, d_task, return_exceptions=True)
+        self._finish_in_background(p_task, call)
+        if not call.is_stream:
+            d_lease.release()
+            return JSONResponse(result, headers=call.headers)
+        return self._relay_stream(call, result, d_lease, [p_task])
+
+    async def _leased(self, lease: Lease, body: dict[str, Any], call: Call, leg: str) -> dict[str, Any]:
+        with lease:
+            return await post_json(self.session, leg, lease.backend.url, call.path, body, call.headers)
+
+    def _finish_in_background(self, task: asyncio.Task[Any], call: Call) -> None:
+        """Let a P leg that is still answering finish on its own, logging a failure."""
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("request %s: prefill leg failed after decode answered: %s", call.request_id, t.exception())
+
+        if task.done():
+            done(task)
+        else:
+            self._background.add(task)
+            task.add_done_callback(done)
+
+    async def prefill_info(self, url: str) -> dict[str, Any]:
+        """P's GET /kv_transfer/info, fetched once per URL (concurrent callers share the fetch)."""
+        fut = self._prefill_info.get(url)
+        if fut is None:
+            fut = asyncio.ensure_future(self._fetch_info(url))
+            self._prefill_info[url] = fut
+        try:
+            return await asyncio.shield(fut)
+        except LegError:
+            self._prefill_info.pop(url, None)
+            raise
+
+    async def _fetch_info(self, url: str) -> dict[str, Any]:
+        info = await get_json(self.session, "prefill", url, "/kv_transfer/info", self.info_timeout_s)
+        if not isinstance(info, dict):
+            raise LegError("prefill", url, f"prefill leg to {url}: /kv_transfer/info is not a JSON object")
+        role, mode = info.get("kv_role"), info.get("transfer_mode")
+        if role not in (None, "prefill"):
+            raise LegError(
+                "prefill",
+                url,
+                f"{url} is not a prefill instance (kv role {role!r}); "
+                "push mode needs --kv-role prefill --kv-transfer push",
+            )
+        if mode != "push":
+            raise LegError(
+                "prefill",
+                url,
+                f"prefill instance {url} transfers KV in {mode!r} mode but the router runs in push mode; "
+                "start both instances with --kv-transfer push",
+            )
+        missing = [k for k in ("engine_id", "side_channel_host", "side_channel_port") if k not in info]
+        if missing:
+            raise LegError("prefill", url, f"prefill leg to {url}: /kv_transfer/info lacks {', '.join(missing)}")
+        return info
+
+    # --- streaming relay --------------------------------------------------------------------------------
+
+    def _relay_stream(
+        self, call: Call, resp: aiohttp.ClientResponse, lease: Lease, others: list[asyncio.Task[Any]]
+    ) -> Response:
+        """Pass D's SSE bytes through. When the client goes away, D's connection is closed (D aborts) and the
+        legs in `others` are cancelled; at the end the lease on D is released."""
+        state = {"complete": False}
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.content.iter_any():
+                    yield chunk
+                state["complete"] = True
+            except (TimeoutError, aiohttp.ClientError) as e:
+                log.warning("request %s: decode stream from %s broke: %s", call.request_id, call.decode_url, e)
+                state["complete"] = True  # the connection is gone anyway
+                yield _error_event(f"decode leg to {call.decode_url} failed mid-stream: {e or type(e).__name__}")
+            finally:
+                await cleanup()
+
+        async def cleanup() -> None:
+            lease.release()
+            if state["complete"]:
+                resp.release()
+            else:
+                resp.close()  # closes the connection: D sees the disconnect and aborts
+                for t in others:
+                    t.cancel()
+
+        media_type = resp.headers.get("Content-Type", "text/event-stream")
+        return StreamingResponse(
+            relay(), media_type=media_type, headers=call.headers, background=BackgroundTask(cleanup)
+        )

@@ -1,0 +1,67 @@
+"""Choosing an instance for a leg: least outstanding requests (default) or round robin.
+
+The router counts its own outstanding legs per backend; it does not poll the instances' metrics, so the
+count is exact for traffic through this router and blind to traffic that bypasses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+POLICIES = ("least-loaded", "round-robin")
+
+
+@dataclass
+class Backend:
+    url: str  # base URL, no trailing slash: http://127.0.0.1:8100
+    num_outstanding: int = 0  # legs sent to it and not answered yet (streams count until they end)
+
+
+class Pool:
+    """The instances of one role (prefill or decode) and the policy that picks among them.
+
+    Single-threaded: used from the router's event loop only.
+    """
+
+    def __init__(self, role: str, urls: list[str], policy: str = "least-loaded") -> None:
+        if not urls:
+            raise ValueError(f"no {role} instance given")
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+        self.role = role  # "prefill" | "decode", named in errors
+        self.backends = [Backend(url.rstrip("/")) for url in urls]
+        self.policy = policy
+        self._cycle = itertools.cycle(range(len(self.backends)))
+        self._next_tie = itertools.count()  # rotates ties among equally loaded backends
+
+    def choose(self) -> Backend:
+        if self.policy == "round-robin":
+            return self.backends[next(self._cycle)]
+        least = min(b.num_outstanding for b in self.backends)
+        tied = [b for b in self.backends if b.num_outstanding == least]
+        return tied[next(self._next_tie) % len(tied)]
+
+    def lease(self, backend: Backend) -> Lease:
+        """Count one outstanding leg on `backend` until the lease is released."""
+        return Lease(backend)
+
+
+class Lease:
+    """One outstanding leg on a backend; `release()` is idempotent, and `with` releases at the end."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._released = False
+        backend.num_outstanding += 1
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.backend.num_outstanding -= 1
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,139 @@
+"""The P/D router's HTTP app: `build_app(RouterConfig)`.
+
+Routes: POST /v1/completions and /v1/chat/completions (split into a prefill and a decode leg by the
+Orchestrator), GET /health (200 only when every backend answers its /health with 200), GET /v1/models
+(from the first decode instance). The router speaks HTTP only: it imports neither engine nor model nor torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.router.orchestrate import REQUEST_ID_HEADER, Call, Orchestrator
+from pdserve.router.policy import POLICIES, Pool
+from pdserve.router.upstream import LegError, get_json, make_session
+from pdserve.server.disconnect import ClientDisconnected
+from pdserve.server.protocol import ErrorResponse
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: str  # "pull" | "push"
+    prefill_urls: tuple[str, ...]  # base URLs of prefill instances
+    decode_urls: tuple[str, ...]  # base URLs of decode instances
+    policy: str = "least-loaded"  # or "round-robin"
+    connect_timeout_s: float = 10.0  # to open a connection to a backend
+    health_timeout_s: float = 5.0  # for each backend's /health and P's /kv_transfer/info
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"mode {self.mode!r} is not one of pull, push")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError("at least one --prefill and one --decode URL are needed")
+        for url in self.prefill_urls + self.decode_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"backend URL {url!r} must start with http:// or https://")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(ErrorResponse.of(status, message).model_dump(), status_code=status)
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    prefill = Pool("prefill", list(config.prefill_urls), config.policy)
+    decode = Pool("decode", list(config.decode_urls), config.policy)
+    holder: dict[str, Orchestrator] = {}  # the session needs a running loop: made in the lifespan
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        session = make_session(config.connect_timeout_s)
+        holder["orchestrator"] = Orchestrator(config.mode, prefill, decode, session, config.health_timeout_s)
+        try:
+            yield
+        finally:
+            await session.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(exc.status_code, str(exc.detail))
+
+    async def relay(path: str, request: Request) -> Response:
+        orchestrator = holder["orchestrator"]
+        started = time.perf_counter()
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return _error(400, f"invalid request: body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return _error(400, "invalid request: body must be a JSON object")
+        call = Call(path, body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex, request)
+        status = 200
+        try:
+            return await orchestrator.handle(call)
+        except LegError as e:
+            status = e.status
+            return JSONResponse(e.body, status_code=e.status, headers=call.headers)
+        except ClientDisconnected:
+            status = 499
+            return Response(status_code=499)
+        finally:
+            log.info(
+                "request %s mode=%s prefill=%s decode=%s status=%d %s=%.3fs",
+                call.request_id,
+                config.mode,
+                call.prefill_url,
+                call.decode_url,
+                status,
+                "first_byte" if call.is_stream and status == 200 else "latency",
+                time.perf_counter() - started,
+            )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await relay("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await relay("/v1/chat/completions", request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        session = holder["orchestrator"].session
+        legs = [("prefill", b.url) for b in prefill.backends] + [("decode", b.url) for b in decode.backends]
+        results = await asyncio.gather(
+            *(get_json(session, leg, url, "/health", config.health_timeout_s) for leg, url in legs),
+            return_exceptions=True,
+        )
+        failures = [str(r) for r in results if isinstance(r, BaseException)]
+        if failures:
+            return _error(503, "unhealthy backends: " + "; ".join(failures))
+        return JSONResponse({"status": "ok", "prefill": list(config.prefill_urls), "decode": list(config.decode_urls)})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        url = decode.backends[0].url
+        try:
+            session = holder["orchestrator"].session
+            answer = await get_json(session, "decode", url, "/v1/models", config.health_timeout_s)
+        except LegError as e:
+            return JSONResponse(e.body, status_code=e.status)
+        return JSONResponse(answer)
+
+    return app

@@ -1,0 +1,104 @@
+"""HTTP calls from the router to its backends over one pooled aiohttp session, with failures named by leg.
+
+A failure becomes LegError: a backend's own 4xx answer is passed through to the client as is (the client
+sent something wrong); an unreachable backend, a 5xx or a broken answer becomes a 502 whose message names
+the leg ("prefill" or "decode") and the backend's URL.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from pdserve.server.protocol import ErrorResponse
+
+
+class LegError(Exception):
+    """One leg of a request failed; `status` and `body` are what the client gets."""
+
+    def __init__(self, leg: str, url: str, message: str, status: int = 502, body: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.leg = leg  # "prefill" | "decode"
+        self.url = url
+        self.status = status
+        self.body = body if body is not None else ErrorResponse.of(status, message).model_dump()
+
+
+def make_session(connect_timeout_s: float) -> aiohttp.ClientSession:
+    """One session for the router's life: pooled keep-alive connections, no read timeout (streams and long
+    prefills take as long as they take), a bounded connect time so a dead backend fails fast."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)  # backends keep idle connections for 30 s
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=None)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+
+def _error_message(payload: Any, text: str) -> str:
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return str(payload["error"].get("message", text))
+    return text[:500]
+
+
+async def _fail_from_response(leg: str, url: str, resp: aiohttp.ClientResponse) -> LegError:
+    """LegError for a non-200 answer (reads its body)."""
+    text = await resp.text(errors="replace")
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        payload = None
+    message = _error_message(payload, text)
+    if 400 <= resp.status < 500:  # the backend refused the request itself: pass its answer through
+        body = payload if isinstance(payload, dict) else ErrorResponse.of(resp.status, message).model_dump()
+        return LegError(leg, url, message, status=resp.status, body=body)
+    return LegError(leg, url, f"{leg} leg to {url} failed with HTTP {resp.status}: {message}")
+
+
+def _unreachable(leg: str, url: str, e: BaseException) -> LegError:
+    reason = str(e) or type(e).__name__
+    return LegError(leg, url, f"{leg} leg to {url} failed: {reason}")
+
+
+async def post_json(
+    session: aiohttp.ClientSession, leg: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> dict[str, Any]:
+    """POST `body` to url+path and return the JSON answer; raises LegError."""
+    try:
+        async with session.post(url + path, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                raise await _fail_from_response(leg, url, resp)
+            payload = await resp.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        raise _unreachable(leg, url, e) from e
+    if not isinstance(payload, dict):
+        raise LegError(leg, url, f"{leg} leg to {url} answered with something other than a JSON object")
+    return payload
+
+
+async def open_stream(
+    session: aiohttp.ClientSession, leg: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> aiohttp.ClientResponse:
+    """POST `body` and return the response once its status is 200 (the caller reads and closes it)."""
+    try:
+        resp = await session.post(url + path, json=body, headers=headers)
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise _unreachable(leg, url, e) from e
+    if resp.status != 200:
+        try:
+            raise await _fail_from_response(leg, url, resp)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _unreachable(leg, url, e) from e
+        finally:
+            resp.release()
+    return resp
+
+
+async def get_json(session: aiohttp.ClientSession, leg: str, url: str, path: str, timeout_s: float) -> Any:
+    """GET url+path within `timeout_s` and return the JSON answer; raises LegError."""
+    try:
+        async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                raise await _fail_from_response(leg, url, resp)
+            return await resp.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        raise _unreachable(leg, url, e) from e

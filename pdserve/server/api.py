@@ -1,0 +1,247 @@
+"""The HTTP API of one engine instance: `build_app(engine)` returns the FastAPI app.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models, /health
+(200 only when the engine is ready), /metrics (Prometheus text), /kv_transfer/info, /timeline.
+
+Threads: the engine loads its model and runs its step loop off the event loop. The app's lifespan starts
+`engine.start()` in a thread named engine-start (so /health answers 503 while the model loads) and calls
+`engine.shutdown()` when the server stops, then joins that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.server import metrics
+from pdserve.server.disconnect import ClientDisconnected
+from pdserve.server.prepare import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    chat_prompt_ids,
+    check_supported,
+    completion_prompt_ids,
+    sampling_params,
+)
+from pdserve.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from pdserve.server.render import Kind, Renderer
+from pdserve.server.streams import RequestRun
+
+log = logging.getLogger(__name__)
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse(ErrorResponse.of(status, message).model_dump(), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            where = err.get("loc", ("body", "?"))[-1]
+            return f"invalid request: body is not valid JSON ({err.get('ctx', {}).get('error', 'error')} at {where})"
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+class ServerState:
+    """What the routes share: the engine, its start thread, the names it is served under, in-flight ids."""
+
+    def __init__(
+        self, engine: Any, served_model_names: list[str] | None, on_start_failure: Callable[[BaseException], None]
+    ) -> None:
+        self.engine = engine
+        self._served_model_names = served_model_names
+        self.on_start_failure = on_start_failure
+        self.start_error: BaseException | None = None
+        self.start_thread: threading.Thread | None = None
+        self.inflight_ids: set[str] = set()  # engine request ids of requests being answered
+
+    @property
+    def model_names(self) -> list[str]:
+        return self._served_model_names or [self.engine.model_name]
+
+    def start_engine(self) -> None:
+        """Body of the engine-start thread."""
+        try:
+            self.engine.start()
+            log.info("engine ready: model %s, max_model_len %d", self.engine.model_name, self.engine.max_model_len)
+        except BaseException as e:
+            self.start_error = e
+            log.exception("engine failed to start")
+            self.on_start_failure(e)
+
+    def check_ready(self) -> None:
+        if self.start_error is not None:
+            raise ApiError(503, f"engine failed to start: {self.start_error}")
+        if not self.engine.is_ready:
+            raise ApiError(503, "engine is loading the model; retry when /health answers 200")
+
+    def resolve_model(self, requested: str | None) -> str:
+        names = self.model_names
+        if requested is not None and requested not in names:
+            raise ApiError(404, f"the model `{requested}` does not exist; this server serves {names}")
+        return requested or names[0]
+
+    def new_request_id(self, header: str | None) -> str:
+        """The client's X-Request-Id if given and not in flight here, else a fresh one."""
+        request_id = header or uuid.uuid4().hex
+        if request_id in self.inflight_ids:
+            request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        self.inflight_ids.add(request_id)
+        return request_id
+
+
+def build_app(
+    engine: Any,
+    served_model_names: list[str] | None = None,
+    on_start_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The app serving `engine` (an AsyncEngine, not started yet). `on_start_failure` is called from the
+    engine-start thread if the model fails to load (the CLI uses it to stop the server)."""
+    state = ServerState(engine, served_model_names, on_start_failure or (lambda e: None))
+    registry = metrics.make_registry(engine.stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start_thread = threading.Thread(target=state.start_engine, name="engine-start", daemon=True)
+        state.start_thread.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+            await asyncio.to_thread(state.start_thread.join, 30)
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.pdserve = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        log.info("%s %s refused with %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return error_response(exc.status, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        message = _validation_message(exc)
+        log.info("%s %s refused with 400: %s", request.method, request.url.path, message)
+        return error_response(400, message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            state.check_ready()
+        except ApiError as e:  # polled while loading: answered without a log line
+            return error_response(e.status, e.message)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        if not served_model_names:
+            state.check_ready()  # the model's own name is known once it is loaded
+        max_len = engine.max_model_len if engine.is_ready else None
+        cards = [ModelCard(id=name, max_model_len=max_len) for name in state.model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body = await run_in_threadpool(metrics.render, registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kv_transfer/info")
+    async def kv_transfer_info() -> Response:
+        state.check_ready()
+        return JSONResponse(engine.kv_transfer_info())
+
+    @app.get("/timeline")
+    async def timeline() -> Response:
+        state.check_ready()
+        return JSONResponse(engine.timelines())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        state.check_ready()
+        model = state.resolve_model(body.model)
+        check_supported(body)
+        prompt_ids = completion_prompt_ids(body, engine.tokenizer)
+        return await _answer(state, "completion", body, model, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state.check_ready()
+        model = state.resolve_model(body.model)
+        check_supported(body)
+        prompt_ids = chat_prompt_ids(body, engine.tokenizer)
+        return await _answer(state, "chat", body, model, prompt_ids, None, request)
+
+    return app
+
+
+async def _answer(
+    state: ServerState,
+    kind: Kind,
+    body: SamplingFields,
+    model: str,
+    prompt_ids: list[int],
+    default_max_tokens: int | None,
+    request: Request,
+) -> Response:
+    """Run one request on the engine and answer it, streaming or not."""
+    engine = state.engine
+    params = sampling_params(body, len(prompt_ids), engine.max_model_len, default_max_tokens)
+    request_id = state.new_request_id(request.headers.get(REQUEST_ID_HEADER))
+    try:
+        run = RequestRun(engine, request_id, prompt_ids, params, body.kv_transfer_params, request)
+    except ValueError as e:  # the engine refused the input at once
+        state.inflight_ids.discard(request_id)
+        raise ApiError(400, str(e)) from e
+    run.on_close = lambda: state.inflight_ids.discard(request_id)
+    renderer = Renderer(kind, request_id, model, prompt_ids, body.return_token_ids, body.include_usage)
+    headers = {REQUEST_ID_HEADER: request_id}
+    handed_over = False  # True once a streaming response owns `run` (it closes it)
+    try:
+        first = await run.first()  # bad input surfaces here, before any byte of the answer is sent
+        if body.stream:
+            events = renderer.events(run, first)
+            handed_over = True
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers=headers, background=BackgroundTask(run.close)
+            )
+        out = await run.final()
+        if out is None or not out.finished or out.finish_reason in ("error", "abort"):
+            run.status = 500
+            message = (out.error if out is not None else None) or f"request {request_id} was aborted by the engine"
+            return error_response(500, message)
+        return JSONResponse(renderer.response(out), headers=headers)
+    finally:
+        if not handed_over:
+            await run.close()

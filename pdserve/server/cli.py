@@ -1,0 +1,197 @@
+"""`pdserve serve MODEL`: one engine instance behind the OpenAI-compatible HTTP API (flags follow vLLM's)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pdserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
+from pdserve.server.kv_transfer_config import parse_kv_transfer_config
+
+log = logging.getLogger("pdserve.server")
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_num_threads(role: str) -> int:
+    """Torch threads when --num-threads is not given: every core for a colocated instance, half of them for
+    a prefill or decode instance (a 1P1D pair usually shares one machine)."""
+    cores = available_cores()
+    return cores if role == "both" else max(1, cores // 2)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in/preset name (e.g. smollm2-135m), Hugging Face model folder, or .gguf file")
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    g.add_argument(
+        "--served-model-name", nargs="+", default=None, help="name(s) clients use in `model` (default: MODEL)"
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights/KV dtype")
+    g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 (default cpu)")
+    g.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy = random weights for a preset shape"
+    )
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)")
+    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights (default 0)")
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads on the CPU (default: all cores for --kv-role both, half for prefill/decode)",
+    )
+
+    g = p.add_argument_group("KV cache and scheduler")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gib)")
+    g.add_argument(
+        "--kv-cache-memory-gib", type=float, default=1.0, help="memory for the KV cache when --num-gpu-blocks is unset"
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of identical prompt prefixes (default on; --no-enable-prefix-caching turns it off)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step (default 2048)"
+    )
+
+    g = p.add_argument_group("KV transfer (P/D disaggregation); flags override --kv-transfer-config")
+    g.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None, help="both = colocated (default)")
+    g.add_argument("--kv-transfer", choices=["pull", "push"], default=None, help="transfer mode (default pull)")
+    g.add_argument("--engine-id", default=None, help="this instance's id in the transfer (default: generated)")
+    g.add_argument(
+        "--kv-side-channel-host", default=None, help="address peers reach the handshake side channel at (127.0.0.1)"
+    )
+    g.add_argument("--kv-side-channel-port", type=int, default=None, help="handshake side-channel port (5600)")
+    g.add_argument(
+        "--kv-buffer-device", choices=["device", "cpu"], default=None, help="where transferred KV lives (device)"
+    )
+    g.add_argument(
+        "--kv-lease-s", type=float, default=None, help="P frees KV nobody consumed after this many seconds (30)"
+    )
+    g.add_argument(
+        "--push-registration-timeout-s",
+        type=float,
+        default=None,
+        help="push: P drops a registration whose prefill never came after this many seconds (30)",
+    )
+    g.add_argument(
+        "--kv-recv-timeout-s",
+        type=float,
+        default=None,
+        help="D fails (or recomputes) a request whose KV has not arrived after this many seconds (60)",
+    )
+    g.add_argument(
+        "--kv-load-failure-policy",
+        choices=["fail", "recompute"],
+        default=None,
+        help="on a failed or timed-out receive: fail the request, or prefill it locally (default fail)",
+    )
+    g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='vLLM\'s JSON form, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\' '
+        "(NixlConnector = pull, NixlPushConnector = push; kv_producer/kv_consumer/kv_both)",
+    )
+    g.add_argument(
+        "--debug-delay-finish-s", type=float, default=0.0, help="test hook: P delays handing over a finished prefill"
+    )
+    g.add_argument("--debug-delay-register-s", type=float, default=0.0, help="test hook: D delays its registration")
+
+
+def build_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags; raises ConfigError naming the bad value."""
+    transfer = parse_kv_transfer_config(args.kv_transfer_config) if args.kv_transfer_config else {}
+    flags = {
+        "role": args.kv_role,
+        "mode": args.kv_transfer,
+        "engine_id": args.engine_id,
+        "side_channel_host": args.kv_side_channel_host,
+        "side_channel_port": args.kv_side_channel_port,
+        "kv_buffer_device": args.kv_buffer_device,
+        "lease_s": args.kv_lease_s,
+        "push_registration_timeout_s": args.push_registration_timeout_s,
+        "recv_timeout_s": args.kv_recv_timeout_s,
+        "load_failure_policy": args.kv_load_failure_policy,
+        "debug_delay_finish_s": args.debug_delay_finish_s or None,
+        "debug_delay_register_s": args.debug_delay_register_s or None,
+    }
+    transfer.update({k: v for k, v in flags.items() if v is not None})
+    transfer_config = TransferConfig(**transfer)
+    num_threads = args.num_threads if args.num_threads is not None else default_num_threads(transfer_config.role)
+    if num_threads < 1:
+        raise ConfigError(f"--num-threads must be >= 1, got {num_threads}")
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            load_format=args.load_format,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            num_threads=num_threads,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_gpu_blocks,
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        transfer=transfer_config,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        config = build_config(args)
+    except (ConfigError, ValueError) as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.server.api import build_app
+
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_start_failure(e: BaseException) -> None:
+        failed.append(e)
+        if server is not None:
+            server.should_exit = True  # read by uvicorn's main loop; safe from another thread
+
+    engine = AsyncEngine(config)
+    app = build_app(engine, args.served_model_name, on_start_failure)
+    t = config.transfer
+    log.info(
+        "serving %s on http://%s:%d (kv role %s, transfer %s, engine id %s, %d torch threads)",
+        args.model, args.host, args.port, t.role, t.mode, t.engine_id, config.model.num_threads,
+    )  # fmt: skip
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_keep_alive=30
+    )
+    server = uvicorn.Server(uv_config)
+    server.run()
+    if failed:
+        print(f"pdserve serve: engine failed to start: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0

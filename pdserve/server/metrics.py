@@ -1,0 +1,101 @@
+"""Prometheus metrics of one instance, read from the engine's stats at scrape time.
+
+The names are a contract (tests, dashboards and the reliability work read them); do not rename:
+gauges   pdserve_kv_blocks_total, pdserve_kv_blocks_free, pdserve_requests_running,
+         pdserve_requests_waiting, pdserve_requests_waiting_for_kv
+counters pdserve_kv_sent_bytes_total, pdserve_kv_received_bytes_total, pdserve_kv_transfers_total{result}
+histos   pdserve_time_to_first_token_seconds, pdserve_kv_transfer_seconds
+
+Each app gets its own CollectorRegistry (no process-global state, so several apps can live in one test
+process). Gauges and counters are the engine's own cumulative numbers, read on each scrape; the histograms
+are fed with the observations `stats()` drained since the previous scrape, so this collector must be the
+only caller of `stats()` that uses those lists.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+GAUGES = (  # metric name, EngineStats field, help
+    ("pdserve_kv_blocks_total", "num_blocks_total", "KV cache blocks of this instance"),
+    ("pdserve_kv_blocks_free", "num_blocks_free", "KV blocks free or held only by the prefix cache (evictable)"),
+    ("pdserve_requests_running", "num_running", "Requests in the running batch"),
+    ("pdserve_requests_waiting", "num_waiting", "Requests waiting to be scheduled"),
+    ("pdserve_requests_waiting_for_kv", "num_waiting_for_kv", "Requests parked until their remote KV lands"),
+)
+COUNTERS = (  # metric name without _total, EngineStats field, help
+    ("pdserve_kv_sent_bytes", "kv_sent_bytes", "KV bytes this instance sent (pushed or had read by a peer)"),
+    ("pdserve_kv_received_bytes", "kv_received_bytes", "KV bytes this instance received"),
+)
+TRANSFER_RESULTS = (("ok", "transfers_ok"), ("failed", "transfers_failed"), ("expired", "transfers_expired"))
+
+
+class EngineCollector(Collector):
+    """Collects the pdserve_* metrics from `stats_fn()` (an EngineStats) on every scrape."""
+
+    def __init__(self, stats_fn: Callable[[], Any]) -> None:
+        self._stats_fn = stats_fn
+        self._lock = threading.Lock()  # scrapes may run concurrently in the thread pool
+        self._ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=None,
+        )
+        self._transfer = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Duration of one KV transfer, from posting to completion",
+            buckets=TRANSFER_BUCKETS,
+            registry=None,
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            try:
+                stats = self._stats_fn()
+            except Exception:  # engine not started yet, or shut down: export nothing from it
+                log.debug("engine stats unavailable", exc_info=True)
+                stats = None
+            if stats is not None:
+                for value in stats.ttft_seconds:
+                    self._ttft.observe(value)
+                for value in stats.transfer_seconds:
+                    self._transfer.observe(value)
+                yield from self._from_stats(stats)
+            yield from self._ttft.collect()
+            yield from self._transfer.collect()
+
+    @staticmethod
+    def _from_stats(stats: Any) -> Iterator[Metric]:
+        for name, field, help_text in GAUGES:
+            yield GaugeMetricFamily(name, help_text, value=getattr(stats, field))
+        for name, field, help_text in COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=getattr(stats, field))
+        transfers = CounterMetricFamily("pdserve_kv_transfers", "KV transfers by result", labels=["result"])
+        for result, field in TRANSFER_RESULTS:
+            transfers.add_metric([result], getattr(stats, field))
+        yield transfers
+
+
+def make_registry(stats_fn: Callable[[], Any]) -> CollectorRegistry:
+    """A fresh registry holding the engine collector (one per app)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(stats_fn))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """Prometheus text exposition of `registry`."""
+    return generate_latest(registry)

@@ -1,0 +1,102 @@
+"""From a validated request body to what the engine takes: prompt token ids and SamplingParams.
+
+Everything here raises ApiError(400, reason) for input the engine must not see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def completion_prompt_ids(body: CompletionRequest, tokenizer: Any | None) -> list[int]:
+    """Token ids of the one prompt of a completion request (a string, ids, or a list holding one of them)."""
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError(400, f"one prompt per request is served, got {len(prompt)}")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer (dummy weights): send the prompt as token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        if any(i < 0 for i in ids):
+            raise ApiError(400, "prompt token ids must be >= 0")
+    if not ids:
+        raise ApiError(400, "prompt is empty")
+    return ids
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any | None) -> list[int]:
+    """Token ids of the chat rendered by the model's chat template, ending with the assistant's turn header."""
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer (dummy weights): chat is not available")
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return tokenizer.apply_chat_template(messages)
+    except ValueError as e:  # no chat template, or non-text content
+        raise ApiError(400, str(e)) from e
+    except Exception as e:  # a template that raises on these messages (jinja's own exceptions)
+        raise ApiError(400, f"chat template failed on these messages: {e}") from e
+
+
+def check_supported(body: SamplingFields) -> None:
+    """Refuse OpenAI options pdserve does not implement, rather than silently ignoring them."""
+    if body.n != 1:
+        raise ApiError(400, f"n must be 1, got {body.n}")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise ApiError(400, "echo is not supported")
+        if body.logprobs is not None:
+            raise ApiError(400, "logprobs is not supported")
+        if body.best_of not in (None, 1):
+            raise ApiError(400, f"best_of must be 1, got {body.best_of}")
+    if isinstance(body, ChatCompletionRequest) and body.logprobs:
+        raise ApiError(400, "logprobs is not supported")
+
+
+def sampling_params(
+    body: SamplingFields, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int | None
+) -> SamplingParams:
+    """SamplingParams for this body. `default_max_tokens` None = as many as fit in max_model_len.
+
+    A prompt of max_model_len tokens or more is refused with both numbers; an explicit max_tokens that does
+    not fit beside the prompt is refused too, while a default one is cut to what fits.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise ApiError(
+            400,
+            f"prompt has {num_prompt_tokens} tokens, longer than max_model_len {max_model_len} allows"
+            " (at least one token must be left for the output)",
+        )
+    room = max_model_len - num_prompt_tokens
+    requested = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    if requested is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif requested > room:
+        raise ApiError(
+            400,
+            f"prompt has {num_prompt_tokens} tokens and max_tokens is {requested}: "
+            f"{num_prompt_tokens + requested} is longer than max_model_len {max_model_len}",
+        )
+    else:
+        max_tokens = requested
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            seed=body.seed,
+            stop=body.stop_strings,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e)) from e

@@ -1,0 +1,238 @@
+"""Real pdserve processes on loopback for end-to-end tests: started on free ports, waited for, always stopped.
+
+    with Launcher(tmp_path) as launch:
+        p = launch.serve(model_dir, "--kv-role", "prefill")
+        d = launch.serve(model_dir, "--kv-role", "decode")
+        launch.wait_ready()                       # every process started so far answers /health
+        r = launch.proxy("pull", [p], [d])
+        launch.wait_ready()
+        ...                                       # leaving the block stops them all (process groups)
+
+Each process runs in its own session (process group), so stopping it also stops anything it spawned.
+Logs go to files; `dump_logs()` prints them, and the Launcher does so by itself when the block raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_READY_TIMEOUT_S = 180.0  # model load on a busy 2-core machine, torch import included
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """One launched `python -m pdserve.cli ...` process."""
+
+    name: str
+    argv: list[str]
+    port: int
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    ready_statuses: tuple[int, ...] = (200,)  # /health answers that count as up
+    is_ready: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def dump_log(self, out: TextIO = sys.stderr) -> None:
+        print(f"\n===== {self.name} ({' '.join(self.argv)}) exit={self.popen.poll()} =====", file=out)
+        print(self.log_text(), file=out)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL it if it lingers."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout_s)
+        # then anything left in the group: children that outlived the leader, or a leader ignoring SIGTERM
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+
+class Launcher:
+    """Starts pdserve processes and stops every one of them at `close()` (or at the end of a `with`)."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close(dump_logs=exc_type is not None)
+
+    def start(self, name: str, argv: list[str], port: int, ready_statuses: tuple[int, ...] = (200,)) -> Proc:
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "wb") as log_file:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", *argv],
+                cwd=REPO_ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() takes everything it spawned
+            )
+        proc = Proc(name, argv, port, popen, log_path, ready_statuses)
+        self.procs.append(proc)
+        return proc
+
+    def serve(self, model: str | Path, *args: str, name: str | None = None) -> Proc:
+        """`pdserve serve MODEL` on a free port, free side-channel port, one torch thread, a small KV cache
+        (each overridable through `args`)."""
+        port = free_port()
+        argv = ["serve", str(model), "--port", str(port)]
+        defaults = {"--kv-side-channel-port": "0", "--num-threads": "1", "--num-gpu-blocks": "128"}
+        for flag, value in defaults.items():
+            if flag not in args:
+                argv += [flag, value]
+        argv += list(args)
+        return self.start(name or f"serve-{port}", argv, port)
+
+    def proxy(
+        self,
+        mode: str,
+        prefill: list[Proc | str],
+        decode: list[Proc | str],
+        *args: str,
+        name: str | None = None,
+        ready_statuses: tuple[int, ...] = (200,),
+    ) -> Proc:
+        """`pdserve proxy` on a free port in front of `prefill` and `decode` (processes or URLs)."""
+        port = free_port()
+        urls = lambda procs: [p.url if isinstance(p, Proc) else p for p in procs]  # noqa: E731
+        argv = ["proxy", "--mode", mode, "--port", str(port), "--prefill", *urls(prefill), "--decode", *urls(decode)]
+        return self.start(name or f"proxy-{port}", argv + list(args), port, ready_statuses)
+
+    def wait_ready(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+        """Block until every started process answers /health with one of its ready statuses; raises (with
+        the logs printed) if one exits or the time runs out."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            for proc in self.procs:
+                while not proc.is_ready:
+                    if proc.popen.poll() is not None:
+                        self.dump_logs()
+                        raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} before it was ready")
+                    try:
+                        proc.is_ready = client.get(proc.url + "/health").status_code in proc.ready_statuses
+                    except httpx.HTTPError:
+                        pass
+                    if not proc.is_ready:
+                        if time.monotonic() > deadline:
+                            self.dump_logs()
+                            raise TimeoutError(f"{proc.name} not ready after {timeout_s:.0f} s")
+                        time.sleep(0.2)
+
+    def dump_logs(self, out: TextIO = sys.stderr) -> None:
+        for proc in self.procs:
+            proc.dump_log(out)
+
+    def close(self, dump_logs: bool = False) -> None:
+        """Stop every process (in reverse start order: routers before the instances behind them)."""
+        if dump_logs:
+            self.dump_logs()
+        errors = []
+        for proc in reversed(self.procs):
+            try:
+                proc.stop()
+            except Exception as e:  # keep stopping the others
+                errors.append(f"{proc.name}: {e}")
+        self.procs.clear()
+        if errors:
+            raise RuntimeError("could not stop: " + "; ".join(errors))
+
+
+# --- talking to the processes -----------------------------------------------------------------------------
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """GET url/metrics as {"name{labels}": value} (comment lines dropped)."""
+    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def wait_idle(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """Poll url/metrics until no request runs or waits and every KV block is free; returns the last scrape
+    (the caller asserts on it, so a timeout shows the numbers)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape_metrics(url)
+        busy = m["pdserve_requests_running"] + m["pdserve_requests_waiting"] + m["pdserve_requests_waiting_for_kv"]
+        if (busy == 0 and m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"]) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def post(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=headers, timeout=120, trust_env=False)
+
+
+def stream_events(
+    url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """POST a streaming request; the decoded `data:` payloads in order, checking that [DONE] ends them."""
+    payloads: list[Any] = []
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=120, trust_env=False) as resp:
+        assert resp.status_code == 200, resp.read().decode()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                payloads.append(data if data == "[DONE]" else json.loads(data))
+    assert payloads and payloads[-1] == "[DONE]", payloads[-3:]
+    assert "[DONE]" not in payloads[:-1]
+    return payloads[:-1]
+
+
+def joined_stream(payloads: list[dict[str, Any]]) -> tuple[str, list[int], str | None]:
+    """(text, token ids, finish reason) of a streamed completion or chat answer (return_token_ids on)."""
+    text, ids, finish = "", [], None
+    for p in payloads:
+        assert "error" not in p, p
+        for choice in p["choices"]:
+            text += (choice["delta"].get("content") or "") if "delta" in choice else choice["text"]
+            ids += choice.get("token_ids") or []
+            finish = choice["finish_reason"] or finish
+    return text, ids, finish

@@ -1,0 +1,77 @@
+"""Instance choice and the router's own small pieces (no processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.router.orchestrate import prefill_body
+from pdserve.router.policy import Pool
+from pdserve.router.proxy import RouterConfig
+
+
+def test_least_loaded_picks_the_idlest_and_rotates_ties() -> None:
+    pool = Pool("decode", ["http://a", "http://b/", "http://c"])
+    assert [b.url for b in pool.backends] == ["http://a", "http://b", "http://c"]
+    first = pool.choose()
+    lease = pool.lease(first)
+    second = pool.choose()
+    assert second is not first
+    with pool.lease(second):
+        third = pool.choose()
+        assert third not in (first, second)
+    lease.release()
+    lease.release()  # idempotent
+    assert [b.num_outstanding for b in pool.backends] == [0, 0, 0]
+    picks = {pool.choose().url for _ in range(3)}
+    assert picks == {"http://a", "http://b", "http://c"}  # ties rotate instead of piling on the first
+
+
+def test_least_loaded_follows_outstanding_counts() -> None:
+    pool = Pool("prefill", ["http://a", "http://b"])
+    a, b = pool.backends
+    leases = [pool.lease(a), pool.lease(a)]
+    assert all(pool.choose() is b for _ in range(4))
+    for lease in leases:
+        lease.release()
+    with pool.lease(b):
+        assert pool.choose() is a
+
+
+def test_round_robin_ignores_load() -> None:
+    pool = Pool("decode", ["http://a", "http://b"], "round-robin")
+    a, b = pool.backends
+    with pool.lease(a), pool.lease(a):
+        assert [pool.choose() for _ in range(4)] == [a, b, a, b]
+
+
+def test_bad_pools_and_configs() -> None:
+    with pytest.raises(ValueError, match="prefill"):
+        Pool("prefill", [])
+    with pytest.raises(ValueError, match="random"):
+        Pool("decode", ["http://a"], "random")
+    with pytest.raises(ValueError, match="mode"):
+        RouterConfig(mode="both", prefill_urls=("http://a",), decode_urls=("http://b",))
+    with pytest.raises(ValueError, match="http"):
+        RouterConfig(mode="pull", prefill_urls=("a:80",), decode_urls=("http://b",))
+
+
+def test_prefill_body() -> None:
+    body = {"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}, "seed": 3}
+    out = prefill_body(body, {"do_remote_decode": True})
+    kv = {"do_remote_decode": True}
+    assert out == {"prompt": "x", "max_tokens": 1, "stream": False, "seed": 3, "kv_transfer_params": kv}
+    assert body["max_tokens"] == 50 and body["stream"] is True  # the client's body is untouched
+    chat = prefill_body({"messages": [], "max_completion_tokens": 9}, {})
+    assert chat["max_tokens"] == 1 and chat["max_completion_tokens"] == 1
+
+
+def test_router_imports_neither_engine_nor_torch() -> None:
+    code = (
+        "import sys, pdserve.cli, pdserve.router.cli, pdserve.router.proxy; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('pdserve.engine', 'pdserve.model'))]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
