@@ -148,7 +148,7 @@ class NixlAgent:
         except Exception as e:
             log.warning("%s", _wrap("get_new_notifs", e))
             return []
-        out = []
+        out: list[tuple[str, bytes]] = []
         for peer, msgs in got.items():
             name = peer.decode() if isinstance(peer, bytes) else peer
             out.extend((name, m) for m in msgs)

@@ -151,9 +151,12 @@ class NixlWorker(ConnectorWorker):
         self._started = True
 
     def submit(self, meta: StepMeta) -> None:
-        if meta:
-            core = self._core
-            self.thread.post(lambda: core.on_step(meta, time.monotonic()))
+        if not meta:
+            return
+        core = self._core
+        if core is None:
+            raise RuntimeError("start() must come before submit()")
+        self.thread.post(lambda: core.on_step(meta, time.monotonic()))
 
     def poll_results(self) -> TransferResults:
         return self.sink.drain()

@@ -22,6 +22,19 @@ def shape(num_blocks: int, block_size: int) -> tuple[int, ...]:
     return (NUM_LAYERS, 2, num_blocks, block_size, NUM_HEADS, HEAD_DIM)
 
 
+_CTX: Any = None
+
+
+def _context() -> Any:
+    """A forkserver that has imported torch and nixl once: children fork from it in milliseconds instead of
+    importing torch for seconds each. No NIXL agent or torch thread exists in the server before the fork."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "nixl._api", "numpy", "msgpack", "pdserve.transfer.factory", "harness"])
+    return _CTX
+
+
 def _child(conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: int, fill: str, model: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import logging
@@ -85,7 +98,7 @@ class Instance:
     def __init__(self, role: str, mode: str, block_size: int = 4, num_blocks: int = 16, model: str = "tiny",
                  **cfg: Any) -> None:  # fmt: skip
         self.block_size, self.num_blocks = block_size, num_blocks
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.conn, child = ctx.Pipe()
         kwargs = dict(role=role, mode=mode, side_channel_port=0, engine_id=f"{role}-{os.getpid()}-{id(self)}", **cfg)
         fill = "values" if role == "prefill" else "empty"
@@ -163,3 +176,32 @@ def expected_kv(d_before: np.ndarray, p_kv: np.ndarray, d_blocks: list[int], p_b
     for t in range(start, start + num_tokens):
         out[:, :, d_blocks[t // dbs], t % dbs] = p_kv[:, :, p_blocks[t // pbs], t % pbs]
     return out
+
+
+def start_all(**instances: Instance) -> dict[str, Instance]:
+    """Wait for instances started in parallel (each child imports torch and creates an agent: seconds)."""
+    try:
+        for inst in instances.values():
+            inst.wait_ready()
+    except BaseException:
+        close_all(instances)
+        raise
+    return instances
+
+
+def close_all(instances: dict[str, Instance]) -> None:
+    for inst in instances.values():
+        inst.close()
+
+
+def push_params(p: Instance, transfer_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(P's, D's) kv_transfer_params for one push request, as the router builds them from P's info."""
+    assert p.info is not None
+    d_params = {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": p.info["engine_id"],
+                "remote_host": p.info["side_channel_host"], "remote_port": p.info["side_channel_port"],
+                "tp_size": p.info["tp_size"], "transfer_mode": "push"}  # fmt: skip
+    return {"do_remote_decode": True, "transfer_id": transfer_id, "transfer_mode": "push"}, d_params
+
+
+def events(inst: Instance, request_id: str) -> dict[str, float]:
+    return {name: t for rid, name, t in inst.results()["events"] if rid == request_id}

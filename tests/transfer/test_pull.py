@@ -1,27 +1,29 @@
-"""Pull mode over real NIXL between two processes, driven through the scheduler halves like the engine does."""
+"""Pull mode over real NIXL between processes, driven through the scheduler halves like the engine does.
+Instances are shared by the module (starting one costs seconds); request ids are unique per test."""
+
+import socket
 
 import numpy as np
 import pytest
-from harness import Instance, expected_kv
-
-
-def start(*insts: Instance) -> None:
-    for i in insts:
-        i.wait_ready()
+from harness import Instance, close_all, expected_kv, start_all
 
 
 @pytest.fixture(scope="module")
-def pair():
-    p = Instance("prefill", "pull", block_size=4)
-    d = Instance("decode", "pull", block_size=4)
-    start(p, d)
-    yield p, d
-    p.close()
-    d.close()
+def cl():
+    insts = start_all(
+        p4=Instance("prefill", "pull", block_size=4),
+        d4=Instance("decode", "pull", block_size=4),
+        p8=Instance("prefill", "pull", block_size=8, lease_s=1.0),
+        d8=Instance("decode", "pull", block_size=8),
+        p_kill=Instance("prefill", "pull", block_size=4),
+        p_push=Instance("prefill", "push", block_size=4),
+    )
+    yield insts
+    close_all(insts)
 
 
 def pull_once(p, d, rid, p_blocks, d_blocks, num_local, num_prompt):
-    """P finishes rid; D gets P's params, allocates, receives. Returns D's cache before and after, and P's."""
+    """P finishes rid; D gets P's params, allocates, receives. Returns D's cache before and after."""
     keep, params = p.call("finish", f"p-{rid}", p_blocks, num_prompt, {"do_remote_decode": True})
     assert keep and params["transfer_mode"] == "pull" and params["remote_port"] == p.info["side_channel_port"]
     assert d.call("needs", rid, params) is True
@@ -33,42 +35,52 @@ def pull_once(p, d, rid, p_blocks, d_blocks, num_local, num_prompt):
     return before, d.kv()
 
 
-def test_info_reports_bound_port(pair):
-    p, d = pair
-    assert p.info["side_channel_port"] > 0 and p.info["transfer_mode"] == "pull" and p.info["kv_role"] == "prefill"
+def test_info_reports_bound_port(cl):
+    info = cl["p4"].info
+    assert info["side_channel_port"] > 0 and info["transfer_mode"] == "pull" and info["kv_role"] == "prefill"
+    assert set(info) >= {"engine_id", "side_channel_host", "tp_size", "block_size"}
 
 
-def test_pull_exact_bytes_and_nothing_else(pair):
-    p, d = pair
+def test_pull_exact_bytes_and_nothing_else(cl):
+    p, d = cl["p4"], cl["d4"]
     p_kv = p.kv()
     before, after = pull_once(p, d, "r1", [5, 6, 9, 2], [3, 4, 11, 12], 0, 14)
     assert np.array_equal(after, expected_kv(before, p_kv, [3, 4, 11, 12], [5, 6, 9, 2], 0, 13))
     assert not np.array_equal(after, before)
+    assert d.count("finished_recvs", "r1") == 1 and p.count("finished_sends", "p-r1") == 1
 
 
-def test_pull_skips_prefix_hit(pair):
-    p, d = pair
+def test_pull_skips_prefix_hit(cl):
+    p, d = cl["p4"], cl["d4"]
     p_kv = p.kv()
     before, after = pull_once(p, d, "r2", [1, 2, 3], [7, 8, 13], 4, 11)  # D already has block 7 (tokens 0-3)
     assert np.array_equal(after, expected_kv(before, p_kv, [7, 8, 13], [1, 2, 3], 4, 6))
     assert np.array_equal(after[:, :, 7], before[:, :, 7])
 
 
-def test_zero_token_pull_releases_p(pair):
-    p, d = pair
-    before, after = pull_once(p, d, "r3", [4, 5], [14, 15], 4, 5)  # only the last token, which D recomputes
+def test_zero_token_pull_releases_p(cl):
+    before, after = pull_once(cl["p4"], cl["d4"], "r3", [4, 5], [14, 15], 4, 5)  # D recomputes the last token
     assert np.array_equal(after, before)
 
 
-def test_stats_count_bytes(pair):
-    p, d = pair
-    s = d.call("stats")
+@pytest.mark.parametrize("p_name,d_name", [("p4", "d8"), ("p8", "d4")])
+def test_pull_different_block_sizes(cl, p_name, d_name):
+    p, d = cl[p_name], cl[d_name]
+    p_kv, d_bs, p_bs, n = p.kv(), d.block_size, p.block_size, 22
+    p_blocks = [9, 3, 4, 5, 0, 1][: -(-n // p_bs)]
+    d_blocks = [2, 8, 9, 10, 11, 6][: -(-n // d_bs)]
+    before, after = pull_once(p, d, f"x-{p_name}", p_blocks, d_blocks, d_bs, n)  # one prefix-hit block on D
+    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, d_bs, n - 1 - d_bs))
+
+
+def test_stats_count_bytes(cl):
+    s = cl["d4"].call("stats")
     assert s["received_bytes"] > 0 and s["transfers_ok"] >= 1 and s["transfer_seconds"]
-    assert p.call("stats")["sent_bytes"] > 0
+    assert cl["p4"].call("stats")["sent_bytes"] > 0
 
 
-def test_bad_params_fail_cleanly(pair):
-    p, d = pair
+def test_bad_params_fail_cleanly(cl):
+    p, d = cl["p4"], cl["d4"]
     assert d.call("needs", "bad1", {"do_remote_prefill": True, "transfer_mode": "pull"})
     d.call("alloc", "bad1", [0, 1], 0, 6)
     kind, reason = d.wait_result("bad1")
@@ -81,101 +93,66 @@ def test_bad_params_fail_cleanly(pair):
     p.wait_send("p-bad2")  # D told P to let go anyway
 
 
-@pytest.mark.parametrize("p_bs,d_bs", [(4, 8), (8, 4)])
-def test_pull_different_block_sizes(p_bs, d_bs):
-    p = Instance("prefill", "pull", block_size=p_bs)
-    d = Instance("decode", "pull", block_size=d_bs)
+def test_lease_expiry_frees_p_blocks(cl):
+    p = cl["p8"]  # lease 1 s
+    keep, _ = p.call("finish", "never-read", [0, 1], 6, {"do_remote_decode": True})
+    assert keep
+    p.wait_send("never-read", timeout=5)
+    assert p.call("stats")["transfers_expired"] == 1
+
+
+def test_mode_mismatch_refused_with_both_modes_named(cl):
+    p, d = cl["p_push"], cl["d4"]
+    params = {"do_remote_prefill": True, "remote_engine_id": p.info["engine_id"], "remote_host": "127.0.0.1",
+              "remote_port": p.info["side_channel_port"], "remote_block_ids": [0], "remote_request_id": "q",
+              "remote_num_tokens": 3, "transfer_mode": "pull"}  # fmt: skip
+    d.call("needs", "m1", params)
+    d.call("alloc", "m1", [0], 0, 3)
+    kind, reason = d.wait_result("m1")
+    assert kind == "failed" and "peer is in push mode, this instance is in pull mode" in reason
+
+
+def test_abort_during_handshake_is_cancelled(cl):
+    d = cl["d4"]
+    s = socket.socket()  # a side channel that accepts but never answers: the handshake hangs
+    s.bind(("127.0.0.1", 0))
+    s.listen()
     try:
-        start(p, d)
-        p_kv = p.kv()
-        n = 22
-        p_blocks = [9, 3, 4, 5, 0, 1][: -(-n // p_bs)]
-        d_blocks = [2, 8, 9, 10, 11, 6][: -(-n // d_bs)]
-        before, after = pull_once(p, d, "x", p_blocks, d_blocks, d_bs, n)  # one prefix-hit block on D
-        assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, d_bs, n - 1 - d_bs))
-    finally:
-        p.close()
-        d.close()
-
-
-def test_lease_expiry_frees_p_blocks():
-    p = Instance("prefill", "pull", lease_s=0.3).wait_ready()
-    try:
-        keep, _ = p.call("finish", "never-read", [0, 1], 6, {"do_remote_decode": True})
-        assert keep
-        p.wait_send("never-read", timeout=5)
-        assert p.call("stats")["transfers_expired"] == 1
-    finally:
-        p.close()
-
-
-def test_mode_mismatch_refused_with_both_modes_named():
-    p = Instance("prefill", "push")
-    d = Instance("decode", "pull")
-    try:
-        start(p, d)
-        params = {"do_remote_prefill": True, "remote_engine_id": p.info["engine_id"], "remote_host": "127.0.0.1",
-                  "remote_port": p.info["side_channel_port"], "remote_block_ids": [0], "remote_request_id": "q",
-                  "remote_num_tokens": 3, "transfer_mode": "pull"}  # fmt: skip
-        d.call("needs", "m1", params)
-        d.call("alloc", "m1", [0], 0, 3)
-        kind, reason = d.wait_result("m1")
-        assert kind == "failed" and "peer is in push mode, this instance is in pull mode" in reason
-    finally:
-        p.close()
-        d.close()
-
-
-def test_dead_prefill_fails_recv_not_crash():
-    p = Instance("prefill", "pull")
-    d = Instance("decode", "pull")
-    try:
-        start(p, d)
-        _, params = p.call("finish", "p-a", [0, 1], 8, {"do_remote_decode": True})
-        d.call("needs", "a", params)
-        d.call("alloc", "a", [0, 1], 0, 8)
-        assert d.wait_result("a")[0] == "finished"  # handshake cached, agent loaded
-        _, params = p.call("finish", "p-b", [2, 3], 8, {"do_remote_decode": True})
-        p.kill()
-        d.call("needs", "b", params)
-        d.call("alloc", "b", [2, 3], 0, 8)
-        kind, reason = d.wait_result("b", timeout=15)
-        assert kind == "failed", reason
-        # D keeps serving: a fresh P works
-        p2 = Instance("prefill", "pull").wait_ready()
-        try:
-            _, params = p2.call("finish", "p-c", [0, 1], 8, {"do_remote_decode": True})
-            d.call("needs", "c", params)
-            d.call("alloc", "c", [4, 5], 0, 8)
-            assert d.wait_result("c")[0] == "finished"
-        finally:
-            p2.close()
-        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
-                  "remote_block_ids": [0], "remote_request_id": "z", "remote_num_tokens": 3}  # fmt: skip
-        d.call("needs", "unreachable", params)
-        d.call("alloc", "unreachable", [6], 0, 3)
-        kind, reason = d.wait_result("unreachable")
-        assert kind == "failed" and "refused" in reason
-    finally:
-        p.close()
-        d.close()
-
-
-def test_abort_during_handshake_is_cancelled():
-    d = Instance("decode", "pull").wait_ready()
-    try:
-        # a side channel that accepts but never answers: the handshake hangs until aborted
-        import socket
-
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.listen()
         params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": s.getsockname()[1],
                   "remote_block_ids": [0], "remote_request_id": "z", "remote_num_tokens": 3}  # fmt: skip
         d.call("needs", "ab", params)
         d.call("alloc", "ab", [1], 0, 3)
         d.call("abort", "ab")
         assert d.wait_result("ab") == ("cancelled", None)
-        s.close()
     finally:
-        d.close()
+        s.close()
+
+
+def test_unreachable_prefill_fails(cl):
+    d = cl["d4"]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
+              "remote_block_ids": [0], "remote_request_id": "z", "remote_num_tokens": 3}  # fmt: skip
+    d.call("needs", "unreach", params)
+    d.call("alloc", "unreach", [6], 0, 3)
+    kind, reason = d.wait_result("unreach")
+    assert kind == "failed" and "refused" in reason
+
+
+def test_dead_prefill_fails_recv_not_crash(cl):
+    p, d = cl["p_kill"], cl["d4"]
+    _, params = p.call("finish", "p-a", [0, 1], 8, {"do_remote_decode": True})
+    d.call("needs", "a", params)
+    d.call("alloc", "a", [0, 1], 0, 8)
+    assert d.wait_result("a")[0] == "finished"  # handshake cached, agent loaded
+    _, params = p.call("finish", "p-b", [2, 3], 8, {"do_remote_decode": True})
+    p.kill()
+    d.call("needs", "b", params)
+    d.call("alloc", "b", [2, 3], 0, 8)
+    kind, reason = d.wait_result("b", timeout=15)
+    assert kind == "failed", reason
+    before, after = pull_once(cl["p4"], d, "c", [0, 1], [4, 5], 0, 8)  # D keeps serving
+    assert not np.array_equal(after, before)

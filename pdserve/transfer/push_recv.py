@@ -1,0 +1,229 @@
+"""Push, decode side (transfer thread): register D's blocks with P, count completions, cancel safely.
+
+A RecvTask arrives when D has allocated the request's blocks. D handshakes with P (once per address; P
+loads D's agent so it can WRITE and answer), then sends a PushRegister notification from this thread (the
+engine loop never waits on it). Each producer rank's WRITE carries a PushDone that NIXL delivers after the
+data; when every producer's has arrived the recv is finished.
+
+Blocks a WRITE may still land in are never reported reusable. Once registered, a timeout (recv_timeout_s)
+or an engine abort sends PushCancel and the recv ends only when, for every producer, P answered
+(PushCancelAck, PushDone or PushFail) or P is known dead (NIXL says disconnected, or P's side channel
+refuses or answers with another agent). A timed-out recv whose data landed after all is reported finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.transfer.agent import AgentError, PeerGone
+from pdserve.transfer.base import RecvTask
+from pdserve.transfer.peers import Peer
+from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushRegister, encode
+from pdserve.transfer.worker import TransferContext
+
+log = logging.getLogger(__name__)
+
+PROBE_AFTER_S = 1.0  # after a cancel gets no answer this long, ask P's side channel whether P still exists
+
+
+@dataclass(frozen=True)
+class PushParams:
+    transfer_id: str
+    host: str
+    port: int
+    engine_id: str | None
+    num_producers: int  # P's tp size: completions to count
+
+    @classmethod
+    def parse(cls, p: dict[str, Any]) -> PushParams:
+        mode = p.get("transfer_mode", "push")
+        if mode != "push":
+            raise ValueError(f"kv_transfer_params are for {mode} mode, this instance is in push mode")
+        try:
+            return cls(str(p["transfer_id"]), str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"),
+                       int(p.get("tp_size", 1)))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"kv_transfer_params lack a valid {e} for a push") from None
+
+
+@dataclass
+class _Wait:
+    task: RecvTask
+    remote: PushParams
+    state: str = "handshake"  # handshake -> (delayed) -> registered -> (cancelling)
+    peer: Peer | None = None
+    done_ranks: set[int] = field(default_factory=set)  # producers whose data landed
+    over_ranks: set[int] = field(default_factory=set)  # producers that will write nothing (more)
+    num_bytes: int = 0
+    registered_at: float = 0.0
+    cancel_why: str | None = None  # "abort" (engine) or "timeout"
+    fail_reason: str = ""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.remote.transfer_id, self.task.attempt
+
+
+class RecvSide:
+    def __init__(self, ctx: TransferContext) -> None:
+        self.ctx = ctx
+        self.waits: dict[str, _Wait] = {}  # request id -> wait
+        self.by_key: dict[tuple[str, int], str] = {}  # (transfer id, attempt) -> request id
+
+    def on_recv(self, task: RecvTask, now: float) -> None:
+        rid = task.request_id
+        try:
+            remote = PushParams.parse(task.params)
+        except ValueError as e:
+            self.ctx.sink.recv_failed(rid, str(e))
+            return
+        w = _Wait(task, remote)
+        if w.key in self.by_key:
+            self.ctx.sink.recv_failed(rid, f"transfer {remote.transfer_id} attempt {task.attempt} is already waiting")
+            return
+        self.waits[rid], self.by_key[w.key] = w, rid
+        self.ctx.thread.call_at(now + self.ctx.cfg.recv_timeout_s, lambda: self._timeout(rid, w))
+        self.ctx.peers.connect(
+            remote.host, remote.port, remote.engine_id, True, lambda p, e: self._on_peer(rid, w, p, e)
+        )
+
+    def _on_peer(self, rid: str, w: _Wait, peer: Peer | None, error: str | None) -> None:
+        if self.waits.get(rid) is not w:
+            return  # cancelled or timed out before registering: nothing can be written
+        if peer is None:
+            self._end(rid, w, "failed", f"handshake with {w.remote.host}:{w.remote.port} failed: {error}")
+            return
+        w.peer = peer
+        delay = self.ctx.cfg.debug_delay_register_s  # test hook: force the prefill-first order
+        if delay > 0:
+            w.state = "delayed"
+            self.ctx.thread.call_at(time.monotonic() + delay, lambda: self._register(rid, w))
+        else:
+            self._register(rid, w)
+
+    def _register(self, rid: str, w: _Wait) -> None:
+        if self.waits.get(rid) is not w:
+            return
+        t, peer = w.task, w.peer
+        assert peer is not None
+        msg = PushRegister(w.remote.transfer_id, t.attempt, self.ctx.local.engine_id, list(t.block_ids),
+                           self.ctx.layout.block_size, t.start_token, t.num_tokens, self.ctx.spec.tp_rank)  # fmt: skip
+        w.state, w.registered_at = "registered", time.monotonic()
+        try:
+            self.ctx.agent.send_notif(peer.agent_name, encode(msg))
+        except AgentError as e:  # P may or may not have it: cancel properly
+            self._start_cancel(rid, w, "timeout", f"registration not sent to {peer.engine_id}: {e}")
+            return
+        self.ctx.sink.event(rid, "registration_sent")
+
+    # ---- P's notifications ------------------------------------------------------------------------------------------
+    def _lookup(self, tid: str, attempt: int) -> tuple[str, _Wait] | None:
+        rid = self.by_key.get((tid, attempt))
+        return None if rid is None else (rid, self.waits[rid])
+
+    def on_done(self, msg: PushDone) -> None:
+        if (found := self._lookup(msg.transfer_id, msg.attempt)) is None:
+            log.debug("push: completion for unknown %s attempt %d", msg.transfer_id, msg.attempt)
+            return
+        rid, w = found
+        w.done_ranks.add(msg.producer_rank)
+        w.num_bytes += msg.num_bytes
+        self._maybe_over(rid, w)
+
+    def on_fail(self, msg: PushFail) -> None:
+        if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
+            rid, w = found
+            w.fail_reason = w.fail_reason or f"prefill instance refused: {msg.reason}"
+            w.over_ranks.update(range(w.remote.num_producers))  # P's ranks fail together
+            self._maybe_over(rid, w)
+
+    def on_ack(self, msg: PushCancelAck) -> None:
+        if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
+            rid, w = found
+            (w.done_ranks if msg.landed else w.over_ranks).add(msg.producer_rank)
+            self._maybe_over(rid, w)
+
+    def _maybe_over(self, rid: str, w: _Wait) -> None:
+        n = w.remote.num_producers
+        if len(w.done_ranks) >= n and not w.over_ranks:
+            kind = "cancelled" if w.cancel_why == "abort" else "finished"
+            self._end(rid, w, kind, "")
+        elif len(w.done_ranks | w.over_ranks) >= n:
+            self._end(rid, w, "cancelled" if w.cancel_why == "abort" else "failed", w.fail_reason)
+
+    # ---- timeouts and cancels ----------------------------------------------------------------------------------------
+    def _timeout(self, rid: str, w: _Wait) -> None:
+        if self.waits.get(rid) is not w or w.state == "cancelling":
+            return
+        reason = f"KV did not arrive within {self.ctx.cfg.recv_timeout_s:g} s"
+        if w.state == "registered":
+            self._start_cancel(rid, w, "timeout", reason)
+        else:
+            self._end(rid, w, "failed", reason + " (never registered)")
+
+    def on_cancel(self, rid: str) -> None:
+        w = self.waits.get(rid)
+        if w is None:
+            return  # already reported: the engine frees the blocks on that result
+        if w.state == "registered":
+            self._start_cancel(rid, w, "abort", "aborted")
+        elif w.state == "cancelling":
+            w.cancel_why = "abort"
+        else:  # nothing registered yet: nothing can be written
+            self._end(rid, w, "cancelled", "")
+
+    def _start_cancel(self, rid: str, w: _Wait, why: str, reason: str) -> None:
+        w.state, w.cancel_why, w.fail_reason = "cancelling", why, reason
+        self._send_cancel(rid, w)
+
+    def _send_cancel(self, rid: str, w: _Wait) -> None:
+        peer = w.peer
+        assert peer is not None
+        try:
+            self.ctx.agent.send_notif(peer.agent_name, encode(PushCancel(w.remote.transfer_id, w.task.attempt)))
+        except PeerGone:
+            self._peer_dead(rid, w)
+            return
+        except AgentError as e:
+            log.warning("push: cancel of %s not sent: %s", w.remote.transfer_id, e)
+        self.ctx.thread.call_at(time.monotonic() + PROBE_AFTER_S, lambda: self._probe(rid, w))
+
+    def _probe(self, rid: str, w: _Wait) -> None:
+        if self.waits.get(rid) is not w or w.peer is None:
+            return
+        self.ctx.peers.probe(w.remote.host, w.remote.port, w.peer, lambda alive: self._on_probe(rid, w, alive))
+
+    def _on_probe(self, rid: str, w: _Wait, alive: bool | None) -> None:
+        if self.waits.get(rid) is not w:
+            return
+        if alive is False:
+            self._peer_dead(rid, w)
+        else:  # alive (the cancel may have been lost) or unknown: ask again, keep the blocks
+            log.warning(
+                "push: no answer from %s to the cancel of %s; asking again", w.remote.host, w.remote.transfer_id
+            )
+            self._send_cancel(rid, w)
+
+    def _peer_dead(self, rid: str, w: _Wait) -> None:
+        assert w.peer is not None
+        self.ctx.peers.forget(w.peer)
+        w.fail_reason = f"{w.fail_reason}; prefill instance {w.peer.engine_id} is gone"
+        self._end(rid, w, "cancelled" if w.cancel_why == "abort" else "failed", w.fail_reason)
+
+    def _end(self, rid: str, w: _Wait, kind: str, reason: str) -> None:
+        """Nothing more can land in this recv's blocks: report it, exactly once."""
+        del self.waits[rid]
+        del self.by_key[w.key]
+        if kind == "finished":  # the WRITE's duration is P's to record; D only waited
+            self.ctx.sink.recv_finished(rid, w.num_bytes, None)
+        elif kind == "cancelled":
+            self.ctx.sink.recv_cancelled(rid)
+        else:
+            log.warning("push recv %s failed: %s", rid, reason)
+            self.ctx.sink.recv_failed(rid, reason)
+
+    def progress(self, now: float) -> bool:
+        return any(w.state in ("registered", "cancelling") for w in self.waits.values())

@@ -1,0 +1,255 @@
+"""Push, prefill side (transfer thread): the rendezvous of D's registration and P's finished prefill.
+
+Both arrive in either order, keyed by transfer_id; the registration carries an attempt number and only the
+newest attempt is ever written (older ones get PushFail). Whichever arrives second triggers one WRITE per
+destination (this rank -> D's rank) carrying a PushDone notification, which NIXL delivers after the data.
+P's blocks are handed back (finished_sends) when the WRITE is DONE or failed, never while it is in flight.
+
+Timeouts: a registration without a finished prefill after push_registration_timeout_s is dropped (PushFail
+tells D, whose blocks are then safe); a finished prefill without a registration after lease_s is freed
+("expired"). D's PushCancel is answered with PushCancelAck once nothing more can land for that attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pdserve.transfer.agent import AgentError, PeerGone, Xfer
+from pdserve.transfer.base import SendTask
+from pdserve.transfer.layout import LayoutError, descriptors, token_segments
+from pdserve.transfer.peers import Peer
+from pdserve.transfer.wire import Message, PushCancel, PushCancelAck, PushDone, PushFail, PushRegister, encode
+from pdserve.transfer.worker import TransferContext
+
+log = logging.getLogger(__name__)
+
+MAX_FINISHED_IDS = 16384  # transfer ids remembered after they were written or expired (late messages)
+
+
+@dataclass
+class _Reg:
+    msg: PushRegister
+    peer: Peer
+    received_at: float  # time.time(), for the timeline
+
+
+@dataclass
+class _Rendezvous:
+    transfer_id: str
+    send: SendTask | None = None  # the finished prefill (P's blocks), once handed over
+    reg: _Reg | None = None  # the newest registration not yet written
+    max_attempt: int = -1  # newest attempt seen; older registrations are refused
+    write_reg: _Reg | None = None  # the registration being written
+    xfer: Xfer | None = None  # the WRITE in flight (None for a zero-token transfer)
+    posted_at: float = 0.0
+    cancel_asked: bool = False  # D cancelled the attempt being written: ack when the write is over
+    events: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def writing(self) -> bool:
+        return self.write_reg is not None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.send is None and self.reg is None and not self.writing
+
+
+class SendSide:
+    def __init__(self, ctx: TransferContext) -> None:
+        self.ctx = ctx
+        self.rv: dict[str, _Rendezvous] = {}
+        self.finished: OrderedDict[str, tuple[int, str]] = OrderedDict()  # transfer id -> (attempt written, why)
+
+    # ---- the finished prefill ---------------------------------------------------------------------------------------
+    def on_send(self, task: SendTask, now: float) -> None:
+        delay = self.ctx.cfg.debug_delay_finish_s  # test hook: force the registration-first order
+        if delay > 0:
+            self.ctx.thread.call_at(now + delay, lambda: self._add_send(task, time.monotonic()))
+        else:
+            self._add_send(task, now)
+
+    def _add_send(self, task: SendTask, now: float) -> None:
+        tid = str(task.params.get("transfer_id"))
+        r = self.rv.setdefault(tid, _Rendezvous(tid))
+        if r.send is not None or r.writing or tid in self.finished:
+            log.warning("push: a second prefill for transfer %s (request %s); freeing it", tid, task.request_id)
+            self.ctx.sink.send_finished(task.request_id, "failed")
+            return
+        r.send = task
+        self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire_send(tid, task))
+        if r.reg is not None:
+            self.ctx.sink.event(task.request_id, "registration_received", r.reg.received_at)
+            self._write(r)
+
+    def _expire_send(self, tid: str, task: SendTask) -> None:
+        r = self.rv.get(tid)
+        if r is None or r.send is not task or r.writing:
+            return
+        log.info("push: no registration for %s within %g s; freeing its blocks", tid, self.ctx.cfg.lease_s)
+        r.send = None
+        self.ctx.sink.send_finished(task.request_id, "expired")
+        self._done(r, -1, "the prefill's KV expired before D registered")
+
+    # ---- D's messages -----------------------------------------------------------------------------------------------
+    def on_register(self, sender: str, msg: PushRegister, now: float) -> None:
+        peer = self.ctx.peers.by_agent(sender)
+        if peer is None:
+            log.warning(
+                "push: registration for %s from unknown agent %s (no handshake); dropped", msg.transfer_id, sender
+            )
+            return
+        tid = msg.transfer_id
+        if (fin := self.finished.get(tid)) is not None:
+            self._fail(peer, msg.transfer_id, msg.attempt, fin[1])
+            return
+        r = self.rv.setdefault(tid, _Rendezvous(tid))
+        if msg.attempt <= r.max_attempt:
+            self._fail(peer, tid, msg.attempt, f"attempt {msg.attempt} is superseded by attempt {r.max_attempt}")
+            return
+        r.max_attempt = msg.attempt
+        if r.reg is not None:
+            self._fail(r.reg.peer, tid, r.reg.msg.attempt, f"superseded by attempt {msg.attempt}")
+        reg = r.reg = _Reg(msg, peer, time.time())
+        timeout = self.ctx.cfg.push_registration_timeout_s
+        self.ctx.thread.call_at(now + timeout, lambda: self._expire_reg(tid, reg))
+        if r.send is not None:
+            self.ctx.sink.event(r.send.request_id, "registration_received", reg.received_at)
+            if not r.writing:
+                self._write(r)
+
+    def _expire_reg(self, tid: str, reg: _Reg) -> None:
+        r = self.rv.get(tid)
+        if r is None or r.reg is not reg:
+            return
+        r.reg = None
+        timeout = self.ctx.cfg.push_registration_timeout_s
+        self._fail(reg.peer, tid, reg.msg.attempt, f"the prefill did not finish within {timeout:g} s")
+        if r.is_empty:
+            del self.rv[tid]
+
+    def on_cancel(self, sender: str, msg: PushCancel) -> None:
+        tid, attempt = msg.transfer_id, msg.attempt
+        r = self.rv.get(tid)
+        if r is not None and r.write_reg is not None and r.write_reg.msg.attempt == attempt:
+            r.cancel_asked = True  # acked when the write is over
+            return
+        if r is not None and r.reg is not None and r.reg.msg.attempt == attempt:
+            r.reg = None
+            if r.is_empty:
+                del self.rv[tid]
+        fin = self.finished.get(tid)
+        self._notify(sender, PushCancelAck(tid, attempt, self._rank, fin is not None and fin[0] == attempt))
+
+    # ---- the write --------------------------------------------------------------------------------------------------
+    @property
+    def _rank(self) -> int:
+        return self.ctx.spec.tp_rank
+
+    def _write(self, r: _Rendezvous) -> None:
+        reg, send = r.reg, r.send
+        assert reg is not None and send is not None
+        r.reg, r.write_reg, r.cancel_asked = None, reg, False
+        msg, peer = reg.msg, reg.peer
+        try:
+            if msg.block_size != peer.info.block_size:
+                raise LayoutError(
+                    f"registration says block size {msg.block_size}, handshake said {peer.info.block_size}"
+                )
+            if msg.start_token + msg.num_tokens > send.num_tokens:
+                raise LayoutError(
+                    f"the prefill has KV for {send.num_tokens} tokens, D asked up to {msg.start_token + msg.num_tokens}"
+                )
+            segs = token_segments(
+                self.ctx.layout, send.block_ids, peer.layout, msg.block_ids, msg.start_token, msg.num_tokens
+            )
+            local, remote = descriptors(self.ctx.layout, peer.layout, segs)
+        except LayoutError as e:
+            self._write_over(r, "failed", f"cannot write: {e}")
+            return
+        nbytes = int(local[:, 1].sum()) if len(local) else 0
+        done = encode(PushDone(r.transfer_id, msg.attempt, self._rank, self.ctx.spec.tp_size, nbytes))
+        r.posted_at = time.monotonic()
+        try:
+            if msg.num_tokens == 0:
+                self.ctx.agent.send_notif(peer.agent_name, done)
+            else:
+                r.xfer = self.ctx.agent.post("WRITE", local, remote, peer.agent_name, done)
+        except AgentError as e:
+            if isinstance(e, PeerGone):
+                self.ctx.peers.forget(peer)
+            self._write_over(r, "failed", f"WRITE to {peer.engine_id} not posted: {e}")
+            return
+        self.ctx.sink.event(send.request_id, "transfer_posted")
+        self._check(r)
+
+    def progress(self, now: float) -> bool:
+        hot = False
+        for r in list(self.rv.values()):
+            if r.writing:
+                self._check(r)
+            hot = hot or r.writing or (r.send is not None and r.reg is None)  # waiting for D: poll fast
+        return hot
+
+    def in_flight(self) -> bool:
+        return any(r.xfer is not None for r in self.rv.values())
+
+    def _check(self, r: _Rendezvous) -> None:
+        if r.xfer is None:  # zero tokens: the notification was the whole transfer
+            self._write_over(r, "ok", None)
+            return
+        peer = r.write_reg.peer  # type: ignore[union-attr]
+        try:
+            state = self.ctx.agent.check(r.xfer)
+        except PeerGone as e:
+            self.ctx.peers.forget(peer)
+            self._write_over(r, "failed", f"decode instance {peer.engine_id} went away: {e}")
+            return
+        if state == "DONE":
+            self._write_over(r, "ok", None)
+        elif state == "ERR":
+            self._write_over(r, "failed", f"WRITE to {peer.engine_id} failed")
+
+    def _write_over(self, r: _Rendezvous, outcome: str, error: str | None) -> None:
+        """Nothing more can land in D's blocks: free P's blocks and tell D how it ended."""
+        reg, send = r.write_reg, r.send
+        assert reg is not None and send is not None
+        nbytes = r.xfer.num_bytes if r.xfer is not None and outcome == "ok" else 0
+        secs = time.monotonic() - r.posted_at if r.xfer is not None and outcome == "ok" else None
+        r.write_reg, r.xfer, r.send = None, None, None
+        if outcome == "ok":
+            self.ctx.sink.event(send.request_id, "transfer_done")
+        else:
+            log.warning("push %s attempt %d: %s", r.transfer_id, reg.msg.attempt, error)
+        self.ctx.sink.send_finished(send.request_id, outcome, nbytes, secs)
+        attempt = reg.msg.attempt
+        if r.cancel_asked:
+            self._notify(reg.peer.agent_name, PushCancelAck(r.transfer_id, attempt, self._rank, outcome == "ok"))
+        elif error is not None:
+            self._fail(reg.peer, r.transfer_id, attempt, error)
+        self._done(r, attempt if outcome == "ok" else -1, f"the KV was already written for attempt {attempt}"
+                   if outcome == "ok" else f"the transfer failed: {error}")  # fmt: skip
+
+    def _done(self, r: _Rendezvous, attempt: int, why: str) -> None:
+        """This transfer id will never be written (again): refuse what is pending and what comes later."""
+        if r.reg is not None:
+            self._fail(r.reg.peer, r.transfer_id, r.reg.msg.attempt, why)
+            r.reg = None
+        self.rv.pop(r.transfer_id, None)
+        self.finished[r.transfer_id] = (attempt, why)
+        while len(self.finished) > MAX_FINISHED_IDS:
+            self.finished.popitem(last=False)
+
+    # ---- notifications to D -----------------------------------------------------------------------------------------
+    def _fail(self, peer: Peer, tid: str, attempt: int, reason: str) -> None:
+        self._notify(peer.agent_name, PushFail(tid, attempt, reason))
+
+    def _notify(self, agent_name: str, msg: Message) -> None:
+        if self.ctx.peers.by_agent(agent_name) is None:
+            return  # forgotten (dead): nothing to tell
+        try:
+            self.ctx.agent.send_notif(agent_name, encode(msg))
+        except AgentError as e:
+            log.warning("push: could not send %s to %s: %s", type(msg).__name__, agent_name, e)
