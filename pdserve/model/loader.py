@@ -63,7 +63,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         hf_cfg = _read_config(folder)
         arch = ModelArch.from_hf_config(hf_cfg)
         decoder = build_decoder(arch, device, dtype)
-        decoder.load_hf_state_dict(cast(dict[str, torch.Tensor], SafetensorsWeights(folder)))
+        weights = SafetensorsWeights(folder)
+        decoder.load_hf_state_dict(cast(dict[str, torch.Tensor], weights))
+        _check_all_used(weights, folder)
         tokenizer = load_tokenizer(folder, arch)
     decoder.eval().requires_grad_(False)
     return LoadedModel(name, arch, decoder, tokenizer, _max_model_len(cfg, arch, hf_cfg))
@@ -115,19 +117,33 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
             found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
             raise ConfigError(f"no *.safetensors weights in {folder} (found: {found}); only safetensors load")
         self._file_of: dict[str, Any] = {}  # tensor name -> open safetensors handle
+        self.used: set[str] = set()  # names read so far
         for f in files:
             handle = safe_open(str(f), framework="pt", device="cpu")
             for key in handle.keys():
                 self._file_of[key] = handle
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._file_of[name].get_tensor(name)
+        tensor = self._file_of[name].get_tensor(name)
+        self.used.add(name)
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
 
     def __len__(self) -> int:
         return len(self._file_of)
+
+
+def _check_all_used(weights: SafetensorsWeights, folder: Path) -> None:
+    """Refuse a checkpoint with weights the decoder ignored (an o_proj or MLP bias, say): its output would be wrong."""
+    ignorable = ("rotary_emb.inv_freq", "lm_head.weight")  # derived buffers; a tied head stored anyway
+    unused = sorted(k for k in weights if k not in weights.used and not k.endswith(ignorable))
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise ConfigError(
+            f"{folder}: the decoder does not implement weights {shown} (unsupported architecture variant)"
+        )
 
 
 def load_tokenizer(folder: Path, arch: ModelArch) -> Tokenizer | None:

@@ -1,4 +1,7 @@
-"""Model tests run tiny models: one intra-op thread is faster than two (and than fighting other processes)."""
+"""Model tests run tiny models: one intra-op thread is faster than two (and than fighting other processes).
+
+Set per module and restored after it, so tests outside tests/model keep the default thread count.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread() -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)

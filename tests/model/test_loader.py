@@ -167,3 +167,14 @@ def test_cache_root_respects_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert cache_root() == tmp_path / "pdserve"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_root() == Path.home() / ".cache" / "pdserve"
+
+
+@pytest.mark.parametrize("variant", [{"attention_bias": True}, {"mlp_bias": True}])
+def test_weights_the_decoder_would_ignore_are_refused(variant: dict[str, bool], tmp_path: Path) -> None:
+    """A Llama with an o_proj or MLP bias would load 'fine' and compute garbage: refuse it instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), **variant})).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="does not implement weights model.layers.0.(self_attn.o_proj|mlp.*).bias"):
+        load_model(ModelConfig(model=str(tmp_path)))
