@@ -1,0 +1,43 @@
+"""KV-cache transfer between a prefill (P) and a decode (D) instance over NIXL, in pull or push mode.
+
+Entry point: `factory.make_connectors(cfg, block_size) -> (ConnectorScheduler, ConnectorWorker)`; the
+contract is base.py. This package never imports the engine (DESIGN.md).
+
+Files, one concept each:
+  base.py            the contract: KVCacheSpec, RecvTask, SendTask, StepMeta, TransferResults, the two ABCs
+  factory.py         make_connectors(): Nop for kv role "both", else pull or push (binds the side channel)
+  scheduler_base.py  what pull's and push's scheduler halves share (engine thread; pure Python)
+  pull.py / push.py  the scheduler halves and workers of each mode; push_send.py (P) and push_recv.py (D)
+                     are push's transfer-thread halves
+  worker.py          NixlWorker: the ConnectorWorker both modes share; the side-channel request handler
+  writer.py          the transfer thread: owns the agent, runs commands, timers and polling
+  agent.py           the only file that imports nixl; errors become AgentError / PeerGone
+  handshake.py       the side channel: TCP + msgpack frames, one asyncio thread, server and client
+  peers.py           handshake cache per address, loaded remote agents, liveness probes
+  layout.py          block ids + token range -> merged byte regions, block-size translation (pure math)
+  wire.py            every message (WIRE_VERSION, encode/decode, compatibility hash and refusal text)
+  results.py         thread-safe hand-back of results, events and counters to the engine
+
+Threads per instance: the engine thread (scheduler half; worker's submit/poll_results), the transfer
+thread (every NIXL call), the side-channel thread (handshakes). Start: transfer thread, side channel;
+shutdown: side channel, transfer thread (in-flight transfers drain up to 2 s), agent.
+
+Pull: P finishes -> blocks pinned, response carries P's coordinates -> router -> D allocates, handshakes with
+P (cached per address), READs tokens [num_local, num_prompt - 1), reports finished_recvs, then sends
+PullRelease -> P reports finished_sends (or "expired" after lease_s). D's READ carries no notification: one
+that carries or follows a notification completes only when P polls (~1 ms vs ~30 us measured here).
+
+Push: D allocates at arrival, handshakes (P loads D's agent), sends PushRegister(transfer_id, attempt, blocks)
+from its transfer thread. P's rendezvous pairs it with the finished prefill in either order; the second to
+arrive triggers one WRITE carrying PushDone; P reports finished_sends when the WRITE is over; D reports
+finished_recvs once every producer rank's PushDone arrived. Only the newest attempt of a transfer id is written.
+
+Who frees which block when (nothing is freed while a READ/WRITE may still land in it):
+  P pinned (pull):  D's PullRelease, or lease_s expiry ("expired").
+  P pinned (push):  the WRITE is DONE/failed; or lease_s without a registration ("expired").
+  D (pull):         READ done/failed, handshake failed, recv_timeout_s before the READ (a posted READ is
+                    cancelled through NIXL or waited for).
+  D (push):         all PushDone (finished); PushFail (P gave up: registration timeout, bad request, write error);
+                    after a timeout/abort: P's PushCancelAck, or P known dead (NIXL disconnect, or its side
+                    channel refuses / answers with another agent).
+"""

@@ -58,12 +58,15 @@ class Peers:
         return self._by_agent.get(agent_name)
 
     # ---- outgoing handshakes ----------------------------------------------------------------------------------------
-    def connect(self, host: str, port: int, engine_id: str | None, load_me: bool, callback: PeerCallback) -> None:
-        """Handshake with the instance at host:port once (cached) and load its agent; callback(peer, None) or
-        callback(None, error) later on this thread. engine_id, if given, must match the peer's."""
+    def connect(
+        self, host: str, port: int, engine_id: str | None, load_me: bool, callback: PeerCallback, fresh: bool = False
+    ) -> None:
+        """Handshake with the instance at host:port once (cached; fresh=True handshakes again, so a peer that
+        forgot us loads us again) and load its agent; callback(peer, None) or callback(None, error) later on
+        this thread. engine_id, if given, must match the peer's."""
         key = (host, port)
         peer = self._by_addr.get(key)
-        if peer is not None and (engine_id is None or engine_id == peer.engine_id):
+        if peer is not None and not fresh and (engine_id is None or engine_id == peer.engine_id):
             callback(peer, None)
             return
         waiters = self._waiting.setdefault(key, [])

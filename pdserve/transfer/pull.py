@@ -183,7 +183,7 @@ class PullCore:
             segs = token_segments(self.ctx.layout, task.block_ids, peer.layout, remote.block_ids,
                                   task.start_token, task.num_tokens)  # fmt: skip
             local_descs, remote_descs = descriptors(self.ctx.layout, peer.layout, segs)
-            rd.posted_at = time.monotonic()
+            rd.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the READ
             rd.xfer = self.ctx.agent.post("READ", local_descs, remote_descs, peer.agent_name)
         except (LayoutError, AgentError) as e:
             if isinstance(e, PeerGone):
@@ -191,7 +191,7 @@ class PullCore:
             self._end(rid, rd, f"READ from {peer.engine_id} not posted: {e}")
             return
         rd.state = "reading"
-        self.ctx.sink.event(rid, "transfer_posted")
+        self.ctx.sink.event(rid, "transfer_posted", posted_wall)
         if num_bytes(self.ctx.layout, segs) != rd.xfer.num_bytes:  # a bug in layout.py, never the peer's fault
             log.error("pull: descriptor bytes %d != segment bytes", rd.xfer.num_bytes)
         self._check(rid, rd)

@@ -201,11 +201,19 @@ class RecvSide:
             return
         if alive is False:
             self._peer_dead(rid, w)
-        else:  # alive (the cancel may have been lost) or unknown: ask again, keep the blocks
-            log.warning(
-                "push: no answer from %s to the cancel of %s; asking again", w.remote.host, w.remote.transfer_id
-            )
-            self._send_cancel(rid, w)
+            return
+        # alive or unknown, yet silent: P may have forgotten our agent (and cannot answer). Handshake again
+        # (P loads us again), then ask again; the blocks stay held meanwhile.
+        log.warning("push: no answer from %s to the cancel of %s; asking again", w.remote.host, w.remote.transfer_id)
+        self.ctx.peers.connect(w.remote.host, w.remote.port, None, True, lambda p, e: self._resend(rid, w, p), True)
+
+    def _resend(self, rid: str, w: _Wait, peer: Peer | None) -> None:
+        if self.waits.get(rid) is not w:
+            return
+        if peer is not None and w.peer is not None and peer.agent_name != w.peer.agent_name:
+            self._peer_dead(rid, w)  # another process answers there now: ours is gone
+            return
+        self._send_cancel(rid, w)
 
     def _peer_dead(self, rid: str, w: _Wait) -> None:
         assert w.peer is not None

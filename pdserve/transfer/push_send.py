@@ -171,7 +171,7 @@ class SendSide:
             return
         nbytes = int(local[:, 1].sum()) if len(local) else 0
         done = encode(PushDone(r.transfer_id, msg.attempt, self._rank, self.ctx.spec.tp_size, nbytes))
-        r.posted_at = time.monotonic()
+        r.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the WRITE
         try:
             if msg.num_tokens == 0:
                 self.ctx.agent.send_notif(peer.agent_name, done)
@@ -182,7 +182,7 @@ class SendSide:
                 self.ctx.peers.forget(peer)
             self._write_over(r, "failed", f"WRITE to {peer.engine_id} not posted: {e}")
             return
-        self.ctx.sink.event(send.request_id, "transfer_posted")
+        self.ctx.sink.event(send.request_id, "transfer_posted", posted_wall)
         self._check(r)
 
     def progress(self, now: float) -> bool:

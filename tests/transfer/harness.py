@@ -18,8 +18,9 @@ import numpy as np
 NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 4
 
 
-def shape(num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (NUM_LAYERS, 2, num_blocks, block_size, NUM_HEADS, HEAD_DIM)
+def shape(num_blocks: int, block_size: int, dims: tuple[int, int, int] = (NUM_LAYERS, NUM_HEADS, HEAD_DIM)) -> tuple:
+    layers, heads, head_dim = dims
+    return (layers, 2, num_blocks, block_size, heads, head_dim)
 
 
 _CTX: Any = None
@@ -35,7 +36,9 @@ def _context() -> Any:
     return _CTX
 
 
-def _child(conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: int, fill: str, model: str) -> None:
+def _child(
+    conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: int, fill: str, model: str, dims: tuple
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import logging
 
@@ -49,13 +52,13 @@ def _child(conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: i
     torch.set_num_threads(1)
     cfg = TransferConfig(**cfg_kwargs)
     sched, worker = make_connectors(cfg, block_size)
-    n = int(np.prod(shape(num_blocks, block_size)))
+    kv_shape = shape(num_blocks, block_size, dims)
     if fill == "values":
-        kv = (torch.arange(n, dtype=torch.float32) + 1.0).reshape(shape(num_blocks, block_size))
+        kv = (torch.arange(int(np.prod(kv_shape)), dtype=torch.float32) + 1.0).reshape(kv_shape)
     else:
-        kv = torch.full(shape(num_blocks, block_size), -1.0)
-    spec = KVCacheSpec(kv.data_ptr(), NUM_LAYERS, num_blocks, block_size, NUM_HEADS, HEAD_DIM, 4, "DRAM", 0, model,
-                       "float32")  # fmt: skip
+        kv = torch.full(kv_shape, -1.0)
+    layers, heads, head_dim = dims
+    spec = KVCacheSpec(kv.data_ptr(), layers, num_blocks, block_size, heads, head_dim, 4, "DRAM", 0, model, "float32")
     worker.register_kv_cache(kv, spec)
     worker.start(lambda: None)
     results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "cancelled_recvs": [],
@@ -96,13 +99,15 @@ class Instance:
     """A connector pair in a child process."""
 
     def __init__(self, role: str, mode: str, block_size: int = 4, num_blocks: int = 16, model: str = "tiny",
-                 **cfg: Any) -> None:  # fmt: skip
+                 dims: tuple[int, int, int] = (NUM_LAYERS, NUM_HEADS, HEAD_DIM), **cfg: Any) -> None:  # fmt: skip
         self.block_size, self.num_blocks = block_size, num_blocks
         ctx = _context()
         self.conn, child = ctx.Pipe()
         kwargs = dict(role=role, mode=mode, side_channel_port=0, engine_id=f"{role}-{os.getpid()}-{id(self)}", **cfg)
         fill = "values" if role == "prefill" else "empty"
-        self.proc = ctx.Process(target=_child, args=(child, kwargs, block_size, num_blocks, fill, model), daemon=True)
+        self.proc = ctx.Process(
+            target=_child, args=(child, kwargs, block_size, num_blocks, fill, model, dims), daemon=True
+        )
         self.proc.start()
         self.info: dict[str, Any] | None = None
 
