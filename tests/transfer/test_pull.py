@@ -17,6 +17,7 @@ def cl():
         d8=Instance("decode", "pull", block_size=8),
         p_kill=Instance("prefill", "pull", block_size=4),
         p_push=Instance("prefill", "push", block_size=4),
+        d_short=Instance("decode", "pull", block_size=4, recv_timeout_s=0.5),
     )
     yield insts
     close_all(insts)
@@ -128,6 +129,22 @@ def test_abort_during_handshake_is_cancelled(cl):
         s.close()
 
 
+def test_recv_timeout_before_read_fails_cleanly(cl):
+    d = cl["d_short"]
+    s = socket.socket()  # accepts, never answers: the handshake outlives recv_timeout_s
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": s.getsockname()[1],
+                  "remote_block_ids": [0], "remote_request_id": "z", "remote_num_tokens": 3}  # fmt: skip
+        d.call("needs", "slow", params)
+        d.call("alloc", "slow", [1], 0, 3)
+        kind, reason = d.wait_result("slow", timeout=5)
+        assert kind == "failed" and "no handshake with" in reason and "within 0.5 s" in reason
+    finally:
+        s.close()
+
+
 def test_unreachable_prefill_fails(cl):
     d = cl["d4"]
     s = socket.socket()
@@ -155,4 +172,16 @@ def test_dead_prefill_fails_recv_not_crash(cl):
     kind, reason = d.wait_result("b", timeout=15)
     assert kind == "failed", reason
     before, after = pull_once(cl["p4"], d, "c", [0, 1], [4, 5], 0, 8)  # D keeps serving
+    assert not np.array_equal(after, before)
+
+
+def test_garbage_on_side_channel_does_not_hurt(cl):
+    p, d = cl["p4"], cl["d4"]
+    port = p.info["side_channel_port"]
+    for junk in (b"\x00\x00\x00\x05hello", b"\xff\xff\xff\xffxx", b"\x00\x00\x00\x02\x92\x01"):
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(junk)
+            s.settimeout(2)
+            assert s.recv(100) == b""  # P closes the connection, no reply to garbage
+    before, after = pull_once(p, d, "after-junk", [2, 3], [9, 10], 0, 8)
     assert not np.array_equal(after, before)
