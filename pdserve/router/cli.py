@@ -54,5 +54,12 @@ def run(args: argparse.Namespace) -> int:
         "router (%s mode, %s) on http://%s:%d: prefill %s, decode %s",
         config.mode, config.policy, args.host, args.port, ", ".join(config.prefill_urls), ", ".join(config.decode_urls),
     )  # fmt: skip
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        build_app(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,  # streams still open at shutdown are cut after this long
+    )
     return 0

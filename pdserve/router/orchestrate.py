@@ -170,7 +170,9 @@ class Orchestrator:
                 self._prefill_info.pop(p.url, None)  # P may have restarted with new coordinates
                 for t in (p_task, d_task):
                     t.cancel()
-                await asyncio.gather(p_task, d_task, return_exceptions=True)
+                results = await asyncio.gather(p_task, d_task, return_exceptions=True)
+                if isinstance(results[1], aiohttp.ClientResponse):  # D's stream opened as P failed
+                    results[1].close()
         self._finish_in_background(p_task, call)
         if not call.is_stream:
             d_lease.release()

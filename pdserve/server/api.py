@@ -97,6 +97,8 @@ class ServerState:
         if self.start_error is not None:
             raise ApiError(503, f"engine failed to start: {self.start_error}")
         if not self.engine.is_ready:
+            if getattr(self.engine, "error", None):  # the engine loop died after it was ready
+                raise ApiError(503, f"engine failed: {self.engine.error}")
             raise ApiError(503, "engine is loading the model; retry when /health answers 200")
 
     def resolve_model(self, requested: str | None) -> str:

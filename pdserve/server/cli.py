@@ -187,7 +187,13 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.host, args.port, t.role, t.mode, t.engine_id, config.model.num_threads,
     )  # fmt: skip
     uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_keep_alive=30
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,  # streams still open at shutdown are cut after this long
     )
     server = uvicorn.Server(uv_config)
     server.run()

@@ -128,7 +128,13 @@ class Renderer:
                 if delta:
                     yield sse(self.chunk(delta, pending_ids, None, None))
                     sent_len, pending_ids = len(out.text), []
-                out = await anext(outputs, None)
+                try:
+                    out = await anext(outputs, None)
+                except Exception as e:  # the engine broke mid-stream
+                    run.status = 500
+                    yield sse(ErrorResponse.of(500, f"engine error: {e}").model_dump())
+                    yield DONE
+                    return
             if out is None:
                 run.status = 500
                 yield sse(ErrorResponse.of(500, "the engine ended the stream without finishing").model_dump())

@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.disconnect import race_disconnect
+from pdserve.server.disconnect import ClientDisconnected, race_disconnect
 from pdserve.server.protocol import ApiError
 
 log = logging.getLogger("pdserve.server.requests")
@@ -68,6 +68,11 @@ class RequestRun:
         except ValueError as e:
             self.status = 400
             raise ApiError(400, str(e)) from e
+        except ClientDisconnected:
+            raise
+        except Exception as e:  # the engine broke (its loop died): a 500 that says why
+            self.status = 500
+            raise ApiError(500, f"engine error: {e}") from e
 
     async def final(self) -> RequestOutput | None:
         """Consume outputs up to the finished one (or the end of the stream), watching for a disconnect."""
@@ -78,7 +83,13 @@ class RequestRun:
                     break
             return self.last
 
-        return await race_disconnect(drain(), self._http)
+        try:
+            return await race_disconnect(drain(), self._http)
+        except ClientDisconnected:
+            raise
+        except Exception as e:
+            self.status = 500
+            raise ApiError(500, f"engine error: {e}") from e
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The outputs after the first, for a streaming response (the response itself notices disconnects)."""

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Launcher, Proc, free_port, post
+from helpers import Launcher, Proc, free_port, post, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -69,3 +76,85 @@ def test_backend_4xx_passes_through(launcher: Launcher, backend: Proc) -> None:
     resp = httpx.post(router.url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert resp.status_code == 400
     assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "llama"
+
+
+class _StubPrefill(ThreadingHTTPServer):
+    """A push-mode prefill that advertises a side channel which accepts connections and never answers, and
+    fails every completion after `delay_s` with a 500: the router must cancel the decode leg and say so."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.side_channel = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+        super().__init__(("127.0.0.1", 0), _StubHandler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _StubHandler(BaseHTTPRequestHandler):
+    server: _StubPrefill
+
+    def _json(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        info = {
+            "engine_id": "stub-prefill",
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": self.server.side_channel.getsockname()[1],
+            "tp_size": 1,
+            "block_size": 16,
+            "transfer_mode": "push",
+            "kv_role": "prefill",
+        }
+        self._json(200, info if self.path == "/kv_transfer/info" else {"status": "ok"})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(self.server.delay_s)
+        self._json(500, {"error": {"message": "prefill exploded", "type": "internal_server_error", "code": 500}})
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stub_prefill() -> Iterator[_StubPrefill]:
+    """A new stub per test: a new side-channel address, so D's handshake with it starts afresh (and takes
+    longer than the stub's 1.5 s to fail)."""
+    stub = _StubPrefill(delay_s=1.5)
+    threading.Thread(target=stub.serve_forever, name="stub-prefill", daemon=True).start()
+    try:
+        yield stub
+    finally:
+        stub.shutdown()
+        stub.server_close()
+        stub.side_channel.close()
+
+
+@pytest.fixture(scope="module")
+def push_decode(launcher: Launcher, tiny_llama: Path) -> Proc:
+    proc = launcher.serve(tiny_llama, "--kv-role", "decode", "--kv-transfer", "push", "--num-gpu-blocks", "64")
+    launcher.wait_ready()
+    return proc
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_push_prefill_failure_cancels_decode(
+    launcher: Launcher, stub_prefill: _StubPrefill, push_decode: Proc, stream: bool
+) -> None:
+    router = _router(launcher, "push", stub_prefill.url, push_decode.url)
+    request_id = f"doomed-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    body = {"prompt": "x" * 40, "max_tokens": 5, "stream": stream}
+    resp = post(router.url, "/v1/completions", body, {"X-Request-Id": request_id})
+    assert resp.status_code == 502
+    message = resp.json()["error"]["message"]
+    assert "prefill" in message and stub_prefill.url in message and "prefill exploded" in message, message
+    assert time.monotonic() - started < 10  # not D's receive timeout
+    m = wait_idle(push_decode.url)
+    assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], m
+    assert f"request {request_id} status=499" in push_decode.log_text()  # D had the request and aborted it
