@@ -1,6 +1,7 @@
 """Benchmark (not a test): pull and push of one request's KV between two processes on this machine.
 
-    .venv/bin/python tests/transfer/bench_transfer.py [--tokens 512] [--block-size 16] [--repeat 20]
+    .venv/bin/python tests/transfer/bench_transfer.py [--tokens 512] [--block-size 16] [--repeat 20] [--contiguous]
+    .venv/bin/python tests/transfer/bench_transfer.py --cpu   # what the transfer thread costs, idle and hot
 
 Shape: SmolLM2-135M (30 layers, 3 KV heads, head dim 64, float32): 46 KB per token, 23.6 MB for 512 tokens.
 Blocks are scattered (a random permutation) on both sides, so every block is its own descriptor per layer
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parents[2]))  # the repository, when pdserve is not installed
 from harness import Instance, close_all, events, push_params, start_all  # noqa: E402
 
 DIMS = (30, 3, 64)
@@ -73,6 +75,33 @@ def run(mode: str, tokens: int, block_size: int, repeat: int, contiguous: bool) 
           f"ready after {statistics.median(ready) * 1e3:.2f} ms median")  # fmt: skip
 
 
+def cpu_cost(seconds: float = 5.0) -> None:
+    """CPU of one worker's threads in this process: idle (1 ms waits) and hot (a pinned pull send: 50 us polls)."""
+    import torch
+
+    from pdserve.config import TransferConfig
+    from pdserve.transfer.base import KVCacheSpec
+    from pdserve.transfer.factory import make_connectors
+
+    sched, worker = make_connectors(TransferConfig(role="prefill", mode="pull", side_channel_port=0, lease_s=100), 16)
+    kv = torch.zeros(2, 2, 16, 16, 2, 4)
+    worker.register_kv_cache(kv, KVCacheSpec(kv.data_ptr(), 2, 16, 16, 2, 4, 4, "DRAM", 0, "m", "float32"))
+    worker.start(lambda: None)
+
+    def share() -> float:
+        t0, c0 = time.time(), time.process_time()
+        time.sleep(seconds)
+        return 100 * (time.process_time() - c0) / (time.time() - t0)
+
+    time.sleep(0.5)
+    idle = share()
+    sched.on_request_finished("r", [0], 4, {"do_remote_decode": True})
+    worker.submit(sched.build_step_meta())
+    hot = share()
+    worker.shutdown()
+    print(f"transfer thread: idle {idle:.1f}% of one core, hot {hot:.1f}%")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=512)
@@ -80,6 +109,10 @@ if __name__ == "__main__":
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--modes", default="pull,push")
     ap.add_argument("--contiguous", action="store_true", help="both sides' blocks in one run (merged descriptors)")
+    ap.add_argument("--cpu", action="store_true", help="measure the transfer thread's CPU cost instead")
     a = ap.parse_args()
+    if a.cpu:
+        cpu_cost()
+        sys.exit()
     for m in a.modes.split(","):
         run(m, a.tokens, a.block_size, a.repeat, a.contiguous)
