@@ -81,7 +81,7 @@ class LLMEngine:
         }
         while len(self._timelines) > MAX_TIMELINES:
             self._timelines.popitem(last=False)
-        self._text[request_id] = TextTracker(self.tokenizer, params.stop)
+        self._text[request_id] = TextTracker(self.tokenizer, params.stop, req.prompt_token_ids)
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -7,8 +7,9 @@ from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextTracker:
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...], prompt_token_ids: list[int]) -> None:
+        # the prompt's tail is left context, so the first output token keeps its leading space
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
         self.text = ""
