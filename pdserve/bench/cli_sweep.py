@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per deployment")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-timeline", action="store_true", help="also write timeline_<mode>.json")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run every mode's deployment at once and alternate modes point by point (fairer on a busy machine)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     server = parser.add_argument_group("servers started by the sweep (passed to `pdserve serve`)")
     server.add_argument("--dtype", default=None)
@@ -112,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         seed=args.seed,
         endpoint=args.endpoint,
         save_timeline=args.save_timeline,
+        interleave=args.interleave,
         startup_timeout_s=args.startup_timeout,
     )
 

@@ -16,6 +16,7 @@ import math
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class SweepConfig:
     seed: int = 0
     endpoint: str = "/v1/completions"
     save_timeline: bool = False  # write <results_dir>/timeline_<mode>.json from the servers' /timeline
+    interleave: bool = False  # all modes' deployments up at once, points alternating between modes
     startup_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -124,7 +126,12 @@ def save_timeline(path: Path, mode: str, ends: Endpoints) -> None:
 
 
 class Sweep:
-    """Runs a SweepConfig; `log` receives one progress line per stage and point."""
+    """Runs a SweepConfig; `log` receives one progress line per stage and point.
+
+    Sequential (default): one mode's deployment at a time, all its points, then the next mode.
+    Interleaved: every mode's deployment up at once, and each point run for every mode before the next
+    point, so slow drift of the machine (other load, thermals) hits both modes alike.
+    """
 
     def __init__(self, cfg: SweepConfig, log: Callable[[str], None] = print):
         self.cfg = cfg
@@ -143,65 +150,79 @@ class Sweep:
     def run(self) -> list[Path]:
         self.cfg.results_dir.mkdir(parents=True, exist_ok=True)
         self.vocab()  # fail before starting any server
-        for mode in self.cfg.modes:
-            if mode in self.cfg.attach:
-                self.log(f"[{mode}] attached to {self.cfg.attach[mode].router_url}")
-                self.run_mode(mode, self.cfg.attach[mode], None)
-                continue
-            assert self.cfg.server is not None
-            self.log(f"[{mode}] starting prefill + decode + router ({self.cfg.server.model})")
-            start = time.monotonic()
-            deployment = Deployment(
-                self.cfg.server, mode, self.cfg.results_dir / "servers", startup_timeout_s=self.cfg.startup_timeout_s
-            )
-            with deployment:
-                self.log(f"[{mode}] healthy after {time.monotonic() - start:.1f} s: router {deployment.router_url}")
-                ends = Endpoints(deployment.router_url, deployment.prefill_url, deployment.decode_url)
-                self.run_mode(mode, ends, deployment)
-            self.log(f"[{mode}] stopped")
+        groups = [self.cfg.modes] if self.cfg.interleave else [(mode,) for mode in self.cfg.modes]
+        for modes in groups:
+            with ExitStack() as stack:
+                ends = {mode: self._bring_up(mode, stack) for mode in modes}
+                for mode in modes:
+                    self._warm_up(mode, ends[mode][0])
+                for index, point in enumerate(self.cfg.points()):
+                    for mode in modes:
+                        self._run_point(mode, *ends[mode], index, point)
+                for mode in modes:
+                    self._save_timeline(mode, ends[mode][0])
+            for mode in modes:
+                if mode not in self.cfg.attach:
+                    self.log(f"[{mode}] stopped")
         return self.written
 
-    def _check_alive(self, deployment: Deployment | None) -> None:
+    def _bring_up(self, mode: str, stack: ExitStack) -> tuple[Endpoints, Deployment | None]:
+        """The mode's endpoints: attached, or a deployment started now and stopped when `stack` closes."""
+        if mode in self.cfg.attach:
+            self.log(f"[{mode}] attached to {self.cfg.attach[mode].router_url}")
+            return self.cfg.attach[mode], None
+        assert self.cfg.server is not None
+        self.log(f"[{mode}] starting prefill + decode + router ({self.cfg.server.model})")
+        start = time.monotonic()
+        deployment = Deployment(
+            self.cfg.server, mode, self.cfg.results_dir / "servers", startup_timeout_s=self.cfg.startup_timeout_s
+        )
+        stack.enter_context(deployment)
+        self.log(f"[{mode}] healthy after {time.monotonic() - start:.1f} s: router {deployment.router_url}")
+        return Endpoints(deployment.router_url, deployment.prefill_url, deployment.decode_url), deployment
+
+    def _warm_up(self, mode: str, ends: Endpoints) -> None:
+        cfg = self.cfg
+        if cfg.num_warmups <= 0:
+            return
+        _, input_len, output_len, _ = cfg.points()[0]
+        warm = (math.inf, input_len, output_len, 0)
+        args = _parse_bench(bench_argv(cfg, ends.router_url, warm, cfg.seed + 999_983, f"{mode}-warmup"))
+        args.num_prompts = cfg.num_warmups
+        self.log(f"[{mode}] warming up with {cfg.num_warmups} requests")
+        asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda _: None))
+
+    def _run_point(self, mode: str, ends: Endpoints, deployment: Deployment | None, index: int, point: tuple) -> None:
+        cfg = self.cfg
         for proc in deployment.procs if deployment else ():
             if not proc.is_alive():
                 raise RuntimeError(f"{proc.name} died (code {proc.proc.returncode}):\n{proc.log_tail()}")
+        stem = point_stem(mode, *point)
+        seed = cfg.seed + 1000 * index  # equal across modes: push and pull get the same prompts
+        argv = bench_argv(cfg, ends.router_url, point, seed, f"{mode}-{index}")
+        args = _parse_bench(argv)
+        with open(cfg.results_dir / f"{stem}.log", "w") as log_file:
+            log_file.write("$ pdserve bench " + " ".join(argv) + "\n")
+            result = asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda s: print(s, file=log_file)))
+        qps, _, _, iteration = point
+        result.update(mode=mode, qps=format_qps(qps), iteration=iteration)
+        path = cfg.results_dir / f"{stem}.json"
+        path.write_text(json.dumps(result, indent=1))
+        self.written.append(path)
+        self.log(
+            f"[{mode}] {stem}: {result['completed']}/{cfg.num_prompts} ok, "
+            f"median TTFT {result['median_ttft_ms']:.1f} ms, TPOT {result['median_tpot_ms']:.1f} ms"
+        )
 
-    def run_mode(self, mode: str, ends: Endpoints, deployment: Deployment | None) -> None:
-        cfg = self.cfg
-        points = cfg.points()
-        if cfg.num_warmups > 0:
-            _, input_len, output_len, _ = points[0]
-            warm = (math.inf, input_len, output_len, 0)
-            args = _parse_bench(bench_argv(cfg, ends.router_url, warm, cfg.seed + 999_983, f"{mode}-warmup"))
-            args.num_prompts = cfg.num_warmups
-            self.log(f"[{mode}] warming up with {cfg.num_warmups} requests")
-            asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda _: None))
-        for index, point in enumerate(points):
-            self._check_alive(deployment)
-            stem = point_stem(mode, *point)
-            seed = cfg.seed + 1000 * index  # equal across modes: push and pull get the same prompts
-            argv = bench_argv(cfg, ends.router_url, point, seed, f"{mode}-{index}")
-            args = _parse_bench(argv)
-            log_path = cfg.results_dir / f"{stem}.log"
-            with open(log_path, "w") as log_file:
-                log_file.write("$ pdserve bench " + " ".join(argv) + "\n")
-                result = asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda s: print(s, file=log_file)))
-            qps, _, _, iteration = point
-            result.update(mode=mode, qps=format_qps(qps), iteration=iteration)
-            path = cfg.results_dir / f"{stem}.json"
-            path.write_text(json.dumps(result, indent=1))
-            self.written.append(path)
-            self.log(
-                f"[{mode}] {stem}: {result['completed']}/{cfg.num_prompts} ok, "
-                f"median TTFT {result['median_ttft_ms']:.1f} ms, TPOT {result['median_tpot_ms']:.1f} ms"
-            )
-        if cfg.save_timeline and (ends.prefill_url or ends.decode_url):
-            path = cfg.results_dir / f"timeline_{mode}.json"
-            try:
-                save_timeline(path, mode, ends)
-                self.log(f"[{mode}] timeline written to {path}")
-            except OSError as e:
-                self.log(f"[{mode}] no timeline: {e}")
+    def _save_timeline(self, mode: str, ends: Endpoints) -> None:
+        if not self.cfg.save_timeline or not (ends.prefill_url or ends.decode_url):
+            return
+        path = self.cfg.results_dir / f"timeline_{mode}.json"
+        try:
+            save_timeline(path, mode, ends)
+            self.log(f"[{mode}] timeline written to {path}")
+        except OSError as e:
+            self.log(f"[{mode}] no timeline: {e}")
 
 
 def summary_table(paths: Sequence[Path]) -> str:

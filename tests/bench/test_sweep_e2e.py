@@ -1,0 +1,81 @@
+"""`pdserve sweep` over a tiny grid: exactly the named files, and no process left behind (also on Ctrl-C)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+MODES = ("push", "pull")
+
+
+Marked = tuple[str, Callable[[str], list[int]]]
+
+
+def _sweep(model: Path, results: Path, marker_var: str, marker: str, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "pdserve.cli", "sweep", str(model), "--tokenizer", str(model)]
+    argv += ["--results-dir", str(results), "--num-threads", "1", "--startup-timeout", "240", *extra]
+    env = {**os.environ, marker_var: marker, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _assert_no_process_left(find: Callable[[str], list[int]], marker: str) -> None:
+    deadline = time.monotonic() + 10
+    while find(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert find(marker) == []
+
+
+def test_sweep_writes_exactly_the_named_files(tiny_model: Path, tmp_path: Path, marked_processes: Marked) -> None:
+    marker_var, find = marked_processes
+    marker = uuid.uuid4().hex
+    results = tmp_path / "sweep"
+    grid = ["--modes", ",".join(MODES), "--qps", "inf", "--input-lens", "16,32", "--output-lens", "4"]
+    grid += ["--num-prompts", "3", "--iterations", "1", "--num-warmups", "1"]
+    proc = _sweep(tiny_model, results, marker_var, marker, *grid)
+    try:
+        output, _ = proc.communicate(timeout=540)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    expected = {f"{mode}_qpsinf_in{n}_out4_iter0.{ext}" for mode in MODES for n in (16, 32) for ext in ("json", "log")}
+    assert {p.name for p in results.iterdir() if p.is_file()} == expected
+    for name in expected:
+        if name.endswith(".json"):
+            r = json.loads((results / name).read_text())
+            assert (r["completed"], r["failed"]) == (3, 0), (name, r["errors"])
+            assert r["mode"] == name.split("_")[0] and r["output_lens"] == [4, 4, 4]
+        else:
+            assert "pdserve bench" in (results / name).read_text()
+    assert "push/pull" in output
+    _assert_no_process_left(find, marker)
+
+
+def test_sweep_interrupted_leaves_no_process(tiny_model: Path, tmp_path: Path, marked_processes: Marked) -> None:
+    marker_var, find = marked_processes
+    marker = uuid.uuid4().hex
+    grid = ["--modes", "pull", "--qps", "1", "--input-lens", "32", "--output-lens", "8", "--num-prompts", "200"]
+    proc = _sweep(tiny_model, tmp_path / "sweep", marker_var, marker, *grid)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait until the servers are up and the load is running
+            if "warming up" in line:
+                break
+        time.sleep(2.0)
+        assert len(find(marker)) >= 4  # sweep, prefill, decode, router
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers (the servers are in their own sessions)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, output
+    _assert_no_process_left(find, marker)
