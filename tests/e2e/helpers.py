@@ -236,3 +236,16 @@ def joined_stream(payloads: list[dict[str, Any]]) -> tuple[str, list[int], str |
             ids += choice.get("token_ids") or []
             finish = choice["finish_reason"] or finish
     return text, ids, finish
+
+
+def wait_log_status(proc: Proc, request_id: str, timeout_s: float = 10.0) -> str | None:
+    """The HTTP status in `proc`'s one log line for `request_id` ("499" = the client went away first),
+    waiting for the line to appear; None if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for line in proc.log_text().splitlines():
+            if f"request {request_id} status=" in line:
+                return line.split("status=")[1].split()[0]
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)

@@ -4,6 +4,8 @@ chat; blocks back to total everywhere; KV bytes counted; the openai client; disc
 
 from __future__ import annotations
 
+import json
+import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -12,7 +14,17 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import REPO_ROOT, Launcher, Proc, joined_stream, post, scrape_metrics, stream_events, wait_idle
+from helpers import (
+    REPO_ROOT,
+    Launcher,
+    Proc,
+    joined_stream,
+    post,
+    scrape_metrics,
+    stream_events,
+    wait_idle,
+    wait_log_status,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -126,11 +138,25 @@ def test_one_request_id_on_both_legs(pd: Deployment) -> None:
         assert any(t["request_id"] == request_id for t in timeline), proc.name
 
 
-def test_client_disconnect_frees_both_sides(pd: Deployment) -> None:
-    body = {"prompt": PROMPTS[2], "max_tokens": 150, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", pd.router.url + "/v1/completions", json=body, timeout=60) as resp:
-        assert resp.status_code == 200
-        assert next(resp.iter_lines()).startswith("data: ")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_client_disconnect_frees_both_sides(pd: Deployment, stream: bool) -> None:
+    request_id = f"gone-{uuid.uuid4().hex}"
+    body = {"prompt": PROMPTS[2], "max_tokens": 150, "ignore_eos": True, "stream": stream}
+    if stream:
+        headers = {"X-Request-Id": request_id}
+        with httpx.stream("POST", pd.router.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines()).startswith("data: ")
+    else:
+        payload = json.dumps(body).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {request_id}\r\nContent-Length: {len(payload)}\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", pd.router.port)) as s:
+            s.sendall(head.encode() + payload)
+            assert wait_log_status(pd.prefill, request_id) == "200"  # the prefill leg is done: D is decoding
+    assert wait_log_status(pd.decode, request_id) == "499"  # D noticed and aborted, rather than finishing
     for proc in (pd.prefill, pd.decode):
         m = wait_idle(proc.url)
         assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], proc.name

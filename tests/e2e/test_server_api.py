@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Launcher, Proc, joined_stream, post, scrape_metrics, stream_events, wait_idle
+from helpers import Launcher, Proc, joined_stream, post, scrape_metrics, stream_events, wait_idle, wait_log_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -149,27 +149,13 @@ def test_metrics_names(server: Proc) -> None:
     assert "# TYPE pdserve_time_to_first_token_seconds histogram" in text
 
 
-def _log_status(server: Proc, request_id: str) -> str | None:
-    for line in server.log_text().splitlines():
-        if f"request {request_id} status=" in line:
-            return line.split("status=")[1].split()[0]
-    return None
-
-
-def _wait_log_status(server: Proc, request_id: str, timeout_s: float = 10.0) -> str | None:
-    deadline = time.monotonic() + timeout_s
-    while (status := _log_status(server, request_id)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return status
-
-
 def test_stream_disconnect_aborts_and_frees_blocks(server: Proc) -> None:
     request_id = f"gone-{uuid.uuid4().hex}"
     body = {"prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-    assert _wait_log_status(server, request_id) == "499"  # aborted, not finished
+    assert wait_log_status(server, request_id) == "499"  # aborted, not finished
     m = wait_idle(server.url)
     assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == NUM_BLOCKS
 
@@ -184,7 +170,7 @@ def test_non_stream_disconnect_aborts_and_frees_blocks(server: Proc) -> None:
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(head.encode() + body)
         time.sleep(0.05)  # the request is running (it needs ~250 decode steps)
-    assert _wait_log_status(server, request_id) == "499"
+    assert wait_log_status(server, request_id) == "499"
     m = wait_idle(server.url)
     assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == NUM_BLOCKS
 
