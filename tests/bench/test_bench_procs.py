@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.cli_sweep import parse_attach
+from pdserve.bench.deploy import Deployment, ServerOptions
 from pdserve.bench.procs import ManagedProcess, descendants, free_ports
 from pdserve.bench.sweep import format_qps, point_stem
 
@@ -74,3 +75,23 @@ def test_parse_attach() -> None:
 
 def test_descendants_of_self_excludes_unrelated() -> None:
     assert os.getppid() not in descendants(os.getpid())
+
+
+def test_deployment_command_lines(tmp_path: Path) -> None:
+    options = ServerOptions(
+        model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda", prefill_gpu=0, decode_gpu=1
+    )
+    d = Deployment(options, "push", tmp_path)
+    prefill = d._serve_argv("prefill", 8100, 5600)
+    decode = d._serve_argv("decode", 8200, 5601)
+    head = ["qwen3-8b", "--host", "127.0.0.1", "--port", "8100", "--kv-role", "prefill", "--kv-transfer", "push"]
+    assert prefill[prefill.index("serve") + 1 :][:11] == [*head, "--kv-side-channel-port", "5600"]
+    assert decode[decode.index("--kv-role") + 1] == "decode"
+    assert "--no-enable-prefix-caching" in decode and "--no-enable-prefix-caching" not in prefill
+    for argv in (prefill, decode):
+        value = {flag: argv[argv.index(flag) + 1] for flag in ("--device", "--dtype", "--load-format")}
+        assert value == {"--device": "cuda", "--dtype": "bfloat16", "--load-format": "dummy"}
+        assert "--num-threads" not in argv  # unset options keep the server's defaults
+    assert d._gpu_env(options.prefill_gpu) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert d._gpu_env(options.decode_gpu) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert d._gpu_env(None) is None
