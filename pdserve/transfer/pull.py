@@ -72,8 +72,10 @@ class PullParams:
             ids = p["remote_block_ids"]
             out = cls(str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"), ids,
                       str(p["remote_request_id"]), int(p["remote_num_tokens"]), p.get("remote_block_size"))  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"kv_transfer_params lack a valid {e} for a pull") from None
+        except KeyError as e:
+            raise ValueError(f"kv_transfer_params lack {e} for a pull") from None
+        except (TypeError, ValueError) as e:  # the message names the bad value
+            raise ValueError(f"kv_transfer_params hold a malformed value for a pull: {e}") from None
         if not isinstance(ids, list) or any(type(b) is not int for b in ids):
             raise ValueError("kv_transfer_params remote_block_ids must be a list of ints")
         return out

@@ -45,8 +45,10 @@ class PushParams:
         try:
             return cls(str(p["transfer_id"]), str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"),
                        int(p.get("tp_size", 1)))  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"kv_transfer_params lack a valid {e} for a push") from None
+        except KeyError as e:
+            raise ValueError(f"kv_transfer_params lack {e} for a push") from None
+        except (TypeError, ValueError) as e:  # the message names the bad value
+            raise ValueError(f"kv_transfer_params hold a malformed value for a push: {e}") from None
 
 
 @dataclass
