@@ -37,6 +37,8 @@ class EngineStats:
     transfers_ok: int
     transfers_failed: int
     transfers_expired: int
+    num_engine_steps: int = 0  # LLMEngine.step() calls so far
+    transfer_hook_seconds: float = 0.0  # engine-thread seconds spent in the connector hooks so far
     ttft_seconds: list[float] = field(default_factory=list)  # drained since the last call
     transfer_seconds: list[float] = field(default_factory=list)  # drained since the last call
 
@@ -180,6 +182,8 @@ class AsyncEngine:
             transfers_ok=t.transfers_ok,
             transfers_failed=t.transfers_failed,
             transfers_expired=t.transfers_expired,
+            num_engine_steps=e.num_steps,
+            transfer_hook_seconds=e.transfer_hook_seconds,
             ttft_seconds=ttft,
             transfer_seconds=list(t.transfer_seconds),
         )

@@ -47,6 +47,8 @@ class LLMEngine:
         self._text: dict[str, TextTracker] = {}
         self._timelines: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.ttft_seconds: list[float] = []  # new observations; drained by the metrics reader
+        self.num_steps = 0  # step() calls so far
+        self.transfer_hook_seconds = 0.0  # engine-thread time spent in the connector hooks (cumulative)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -97,6 +99,7 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
         outputs = self._apply_transfer_results()
         batch = self.scheduler.schedule()
         outputs += [self._finish(req, "length") for req in batch.out_of_blocks]
@@ -110,11 +113,20 @@ class LLMEngine:
         return outputs
 
     def _submit_transfers(self) -> None:
+        started = time.perf_counter()
         meta = self.kv_scheduler.build_step_meta()
         if meta:
             self.kv_worker.submit(meta)
+        self.transfer_hook_seconds += time.perf_counter() - started
 
     def _apply_transfer_results(self) -> list[RequestOutput]:
+        started = time.perf_counter()  # both hooks add to transfer_hook_seconds: O(1) per step
+        try:
+            return self._take_transfer_results()
+        finally:
+            self.transfer_hook_seconds += time.perf_counter() - started
+
+    def _take_transfer_results(self) -> list[RequestOutput]:
         res = self.kv_worker.poll_results()
         if not res:
             return []

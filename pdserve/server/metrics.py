@@ -3,7 +3,8 @@
 The names are a contract (tests, dashboards and the reliability work read them); do not rename:
 gauges   pdserve_kv_blocks_total, pdserve_kv_blocks_free, pdserve_requests_running,
          pdserve_requests_waiting, pdserve_requests_waiting_for_kv
-counters pdserve_kv_sent_bytes_total, pdserve_kv_received_bytes_total, pdserve_kv_transfers_total{result}
+counters pdserve_kv_sent_bytes_total, pdserve_kv_received_bytes_total, pdserve_kv_transfers_total{result},
+         pdserve_engine_steps_total, pdserve_engine_transfer_hook_seconds_total
 histos   pdserve_time_to_first_token_seconds, pdserve_kv_transfer_seconds
 
 Each app gets its own CollectorRegistry (no process-global state, so several apps can live in one test
@@ -38,6 +39,12 @@ GAUGES = (  # metric name, EngineStats field, help
 COUNTERS = (  # metric name without _total, EngineStats field, help
     ("pdserve_kv_sent_bytes", "kv_sent_bytes", "KV bytes this instance sent (pushed or had read by a peer)"),
     ("pdserve_kv_received_bytes", "kv_received_bytes", "KV bytes this instance received"),
+    ("pdserve_engine_steps", "num_engine_steps", "Engine loop steps"),
+    (
+        "pdserve_engine_transfer_hook_seconds",
+        "transfer_hook_seconds",
+        "Engine-loop time spent handing work to and taking results from the KV transfer thread",
+    ),
 )
 TRANSFER_RESULTS = (("ok", "transfers_ok"), ("failed", "transfers_failed"), ("expired", "transfers_expired"))
 

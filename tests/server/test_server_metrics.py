@@ -67,3 +67,9 @@ def test_registries_are_independent_and_survive_a_failing_engine() -> None:
     assert "pdserve_kv_blocks_total" not in text  # nothing invented
     assert "pdserve_time_to_first_token_seconds_count 0.0" in text
     assert "pdserve_kv_blocks_total 100.0" in render(make_registry(stats)).decode()
+
+
+def test_engine_loop_counters() -> None:
+    got = samples(render(make_registry(lambda: stats(num_engine_steps=7, transfer_hook_seconds=0.25))).decode())
+    assert got["pdserve_engine_steps_total"] == 7
+    assert got["pdserve_engine_transfer_hook_seconds_total"] == 0.25
