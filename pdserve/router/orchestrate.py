@@ -1,7 +1,8 @@
 """One client request split into a prefill leg and a decode leg, in pull or push mode (DESIGN.md).
 
 pull: P answers first (max_tokens=1, do_remote_decode) with its KV coordinates; D then gets the original
-      body plus those coordinates, and D's answer (streamed or not) goes back to the client.
+      body plus those coordinates, and D's answer (streamed or not) goes back to the client. P's params
+      without do_remote_prefill (a push instance says why) are a 502 naming the prefill leg.
 push: P and D are chosen at arrival and both legs leave at once with one fresh transfer_id; D's
       kv_transfer_params carry P's coordinates from P's GET /kv_transfer/info (cached per P URL). If P's leg
       fails, D's leg is cancelled and the client gets a 502 naming the prefill leg.
@@ -101,6 +102,14 @@ class Orchestrator:
                 post_json(self.session, "prefill", p.url, call.path, body, call.headers), call.http
             )
         kv = answer.get("kv_transfer_params")
+        if kv and not (isinstance(kv, dict) and kv.get("do_remote_prefill")):  # P could not hand over (a push P)
+            reason = kv.get("error") if isinstance(kv, dict) else None
+            raise LegError(
+                "prefill",
+                p.url,
+                f"prefill instance {p.url} did not hand over its KV ({reason or kv}); "
+                "this router runs in pull mode: start the instances with --kv-transfer pull",
+            )
         if not kv:
             log.warning(
                 "request %s: prefill %s returned no kv_transfer_params; decode will prefill", call.request_id, p.url

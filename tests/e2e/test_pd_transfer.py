@@ -1,0 +1,371 @@
+"""P/D edges over real processes that test_router.py does not reach: D's prefix-cache hit (only the suffix
+moves), both push rendezvous orders forced through the debug-delay flags, each timeout freeing its blocks
+(push registration, lease, D's receive timeout with `fail` and `recompute`), incompatible and mixed-mode
+instances refused with a clear message, bad input through the push router, and a client that leaves while
+P is still busy (both legs aborted).
+
+One set of instances serves the whole module; routers are started per test (they start in about a second).
+Where a test plays the router itself (to send one leg only), it builds the legs as pdserve.router does.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers import Launcher, Proc, post, scrape_metrics, wait_idle, wait_log_status
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny llama: layers x (K, V) x kv heads x head dim x float32
+DELAY_S = 1.0  # the debug-delay hooks
+SHORT_S = 2.0  # P_delay's registration timeout and lease; P_pull's and P_other's lease; D_pull's recv timeout
+RECV_TIMEOUT_S = 5.0  # D_push's and D_rc's receive timeout
+GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 6}
+PROMPT = "The quick brown fox jumps over the lazy dog; " * 2  # 91 tokens with BOS: 5 blocks of 16, 2 of 32
+
+
+@dataclass
+class Cluster:
+    launcher: Launcher
+    ref: Proc  # --kv-role both: the reference answers
+    p_pull: Proc  # block 16, lease SHORT_S, one request at a time
+    d_pull: Proc  # block 32, recv timeout SHORT_S
+    p_other: Proc  # pull, another model (tiny mistral: 1 KV head): handshakes with it are refused
+    p_push: Proc  # block 16, one request at a time
+    p_delay: Proc  # push, finished prefills handed over DELAY_S late; registration timeout and lease SHORT_S
+    d_push: Proc  # block 32, recv timeout RECV_TIMEOUT_S, policy fail
+    d_rc: Proc  # push, registration sent DELAY_S late, recv timeout RECV_TIMEOUT_S, policy recompute
+    routers: dict[tuple[str, str, str], Proc]
+
+    def router(self, mode: str, p: Proc, d: Proc) -> Proc:
+        key = (mode, p.name, d.name)
+        if key not in self.routers:
+            self.routers[key] = self.launcher.proxy(mode, [p], [d], name=f"router-{mode}-{p.name}-{d.name}")
+            self.launcher.wait_ready()
+        return self.routers[key]
+
+    @property
+    def instances(self) -> list[Proc]:
+        return [self.ref, self.p_pull, self.d_pull, self.p_other, self.p_push, self.p_delay, self.d_push, self.d_rc]
+
+
+@pytest.fixture(scope="module")
+def cl(launcher: Launcher, tiny_llama: Path, tiny_model_dirs: dict[str, Path]) -> Cluster:
+    def serve(name: str, *args: str, model: Path = tiny_llama) -> Proc:
+        return launcher.serve(model, "--num-gpu-blocks", "64", *args, name=name)
+
+    pull, push = ["--kv-transfer", "pull"], ["--kv-transfer", "push"]
+    p, d = ["--kv-role", "prefill"], ["--kv-role", "decode"]
+    short, recv, delay = str(SHORT_S), str(RECV_TIMEOUT_S), str(DELAY_S)
+    delayed_finish = ["--debug-delay-finish-s", delay, "--push-registration-timeout-s", short, "--kv-lease-s", short]
+    recompute = ["--debug-delay-register-s", delay, "--kv-load-failure-policy", "recompute"]
+    cluster = Cluster(
+        launcher,
+        ref=serve("ref", "--kv-role", "both"),
+        p_pull=serve("P_pull", *p, *pull, "--kv-lease-s", short, "--max-num-seqs", "1"),
+        d_pull=serve("D_pull", *d, *pull, "--block-size", "32", "--kv-recv-timeout-s", short),
+        p_other=serve("P_other", *p, *pull, "--kv-lease-s", short, model=tiny_model_dirs["mistral"]),
+        p_push=serve("P_push", *p, *push, "--max-num-seqs", "1"),
+        p_delay=serve("P_delay", *p, *push, *delayed_finish),
+        d_push=serve("D_push", *d, *push, "--block-size", "32", "--kv-recv-timeout-s", recv),
+        d_rc=serve("D_rc", *d, *push, "--kv-recv-timeout-s", recv, *recompute),
+        routers={},
+    )
+    launcher.wait_ready()
+    return cluster
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+def completion(url: str, prompt: str, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
+    return post(url, "/v1/completions", {"prompt": prompt, **GREEDY, **extra}, headers)
+
+
+def answer(resp: httpx.Response) -> tuple[str, list[int]]:
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    return choice["text"], choice["token_ids"]
+
+
+def error_message(resp: httpx.Response) -> str:
+    return str(resp.json()["error"]["message"])
+
+
+def timeline(proc: Proc, request_id: str) -> dict[str, float]:
+    entries = httpx.get(proc.url + "/timeline", timeout=10).json()
+    return next(e["events"] for e in entries if e["request_id"] == request_id)
+
+
+def push_d_params(p: Proc, transfer_id: str) -> dict[str, Any]:
+    """D's kv_transfer_params for a push transfer from `p`, as the router builds them."""
+    info = httpx.get(p.url + "/kv_transfer/info", timeout=10).json()
+    return {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": info["engine_id"],
+            "remote_host": info["side_channel_host"], "remote_port": info["side_channel_port"],
+            "tp_size": info["tp_size"], "transfer_mode": "push"}  # fmt: skip
+
+
+def counter(proc: Proc, name: str) -> float:
+    return scrape_metrics(proc.url)[name]
+
+
+EXPIRED = 'pdserve_kv_transfers_total{result="expired"}'
+FAILED = 'pdserve_kv_transfers_total{result="failed"}'
+
+
+def assert_all_free(*procs: Proc) -> None:
+    for proc in procs:
+        m = wait_idle(proc.url)
+        assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, (proc.name, m)
+
+
+# ---- only the suffix moves on a prefix-cache hit ------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_prefix_hit_on_d_moves_only_the_suffix(cl: Cluster, mode: str) -> None:
+    p, d = (cl.p_pull, cl.d_pull) if mode == "pull" else (cl.p_push, cl.d_push)
+    router = cl.router(mode, p, d)
+    first, second = f"[{mode}] " + PROMPT, f"[{mode}] " + PROMPT + "and then it ran home."
+    moved = []
+    for prompt in (first, second):
+        received, sent = counter(d, "pdserve_kv_received_bytes_total"), counter(p, "pdserve_kv_sent_bytes_total")
+        resp = completion(router.url, prompt)
+        assert answer(resp) == answer(completion(cl.ref.url, prompt))
+        num_prompt = len(resp.json()["choices"][0]["prompt_token_ids"])
+        wait_idle(p.url)  # P counts its bytes when the transfer is over (pull: at D's release)
+        got = counter(d, "pdserve_kv_received_bytes_total") - received
+        assert counter(p, "pdserve_kv_sent_bytes_total") - sent == got
+        moved.append((num_prompt, got // BYTES_PER_TOKEN))
+    (n1, moved1), (n2, moved2) = moved
+    assert moved1 == n1 - 1  # D computes the last prompt token itself
+    hit = (n1 // 32) * 32  # D (block 32) kept the first prompt's full blocks in its prefix cache
+    assert hit > 0 and moved2 == n2 - 1 - hit
+    assert_all_free(p, d)
+
+
+# ---- both rendezvous orders, forced by the debug-delay flags -----------------------------------------------------
+def test_registration_first_forced_by_delayed_finish(cl: Cluster) -> None:
+    router = cl.router("push", cl.p_delay, cl.d_push)
+    rid = f"regfirst-{uuid.uuid4().hex}"
+    prompt = "registration first: " + PROMPT
+    assert answer(completion(router.url, prompt, {"X-Request-Id": rid})) == answer(completion(cl.ref.url, prompt))
+    p, d = timeline(cl.p_delay, rid), timeline(cl.d_push, rid)
+    # P held its finished prefill back DELAY_S; D's registration was there before P handed the prefill over
+    assert p["transfer_posted"] >= p["finished"] + DELAY_S - 0.01
+    assert max(d["registration_sent"], p["registration_received"]) < p["finished"] + DELAY_S
+    assert p["transfer_posted"] <= d["kv_received"]
+
+
+def test_prefill_first_forced_by_delayed_registration(cl: Cluster) -> None:
+    router = cl.router("push", cl.p_push, cl.d_rc)
+    rid = f"preffirst-{uuid.uuid4().hex}"
+    prompt = "prefill first: " + PROMPT
+    assert answer(completion(router.url, prompt, {"X-Request-Id": rid})) == answer(completion(cl.ref.url, prompt))
+    p, d = timeline(cl.p_push, rid), timeline(cl.d_rc, rid)
+    assert d["registration_sent"] >= d["arrival"] + DELAY_S  # D held its registration back
+    assert p["finished"] < min(d["registration_sent"], p["registration_received"])
+    assert p["registration_received"] <= p["transfer_posted"]
+    assert p["transfer_posted"] <= d["kv_received"]
+    assert counter(cl.d_rc, FAILED) == 0  # the KV arrived: nothing was recomputed
+
+
+# ---- timeouts: each frees its blocks ---------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_lease_expiry_frees_unconsumed_prefill(cl: Cluster, mode: str) -> None:
+    """A prefill whose decode leg never comes: P frees its blocks after the lease, counted as expired."""
+    p = cl.p_pull if mode == "pull" else cl.p_delay
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if mode == "push":
+        params.update(transfer_id=uuid.uuid4().hex, transfer_mode="push")
+    expired = counter(p, EXPIRED)
+    resp = completion(p.url, "nobody decodes this: " + PROMPT, max_tokens=1, kv_transfer_params=params)
+    assert resp.status_code == 200, resp.text
+    assert scrape_metrics(p.url)["pdserve_kv_blocks_free"] < 64  # pinned
+    started = time.monotonic()
+    assert_all_free(p)
+    assert time.monotonic() - started > 0.5 * SHORT_S  # freed by the lease, not at once
+    assert counter(p, EXPIRED) == expired + 1
+
+
+def _lonely_decode(d: Proc, p: Proc, prompt: str) -> tuple[httpx.Response, float]:
+    """Send only the decode leg of a push request (P never gets its prefill); (D's answer, seconds taken)."""
+    started = time.monotonic()
+    resp = completion(d.url, prompt, kv_transfer_params=push_d_params(p, uuid.uuid4().hex))
+    return resp, time.monotonic() - started
+
+
+def test_push_registration_timeout_fails_d_and_frees(cl: Cluster) -> None:
+    resp, took = _lonely_decode(cl.d_push, cl.p_delay, "registration times out: " + PROMPT)
+    assert resp.status_code == 500
+    assert f"the prefill did not finish within {SHORT_S:g} s" in error_message(resp)
+    assert took < RECV_TIMEOUT_S  # P's registration timeout answered, not D's own receive timeout
+    assert_all_free(cl.d_push, cl.p_delay)
+
+
+def test_push_recv_timeout_fails_and_frees(cl: Cluster) -> None:
+    failed = counter(cl.d_push, FAILED)
+    resp, took = _lonely_decode(cl.d_push, cl.p_push, "nothing arrives: " + PROMPT)
+    assert resp.status_code == 500
+    assert f"did not arrive within {RECV_TIMEOUT_S:g} s" in error_message(resp)
+    assert took >= RECV_TIMEOUT_S
+    assert counter(cl.d_push, FAILED) == failed + 1
+    assert_all_free(cl.d_push, cl.p_push)
+
+
+def test_pull_recv_timeout_fails_and_frees(cl: Cluster) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # a side channel that accepts and never answers
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": silent.getsockname()[1],
+                  "remote_block_ids": [0, 1, 2], "remote_request_id": "x", "remote_num_tokens": 40,
+                  "transfer_mode": "pull"}  # fmt: skip
+        resp = completion(cl.d_pull.url, "x" * 39, kv_transfer_params=params)
+    assert resp.status_code == 500
+    assert f"within {SHORT_S:g} s" in error_message(resp)
+    assert_all_free(cl.d_pull)
+
+
+@pytest.mark.parametrize("cause", ["registration-timeout", "recv-timeout"])
+def test_recompute_policy_gives_the_right_text(cl: Cluster, cause: str) -> None:
+    """D's KV never comes; with --kv-load-failure-policy recompute D prefills itself, reusing its own prefix
+    cache (the prompt extends one D_rc served in the prefill-first test) and answers like the reference."""
+    p = cl.p_delay if cause == "registration-timeout" else cl.p_push
+    prompt = f"prefill first: {PROMPT}but {cause} here."
+    failed = counter(cl.d_rc, FAILED)
+    resp, took = _lonely_decode(cl.d_rc, p, prompt)
+    assert answer(resp) == answer(completion(cl.ref.url, prompt))
+    assert took >= (SHORT_S if cause == "registration-timeout" else RECV_TIMEOUT_S)
+    assert counter(cl.d_rc, FAILED) == failed + 1
+    assert_all_free(cl.d_rc, p)
+
+
+# ---- refusals -----------------------------------------------------------------------------------------------------
+def test_incompatible_instances_refused_naming_both(cl: Cluster) -> None:
+    router = cl.router("pull", cl.p_other, cl.d_pull)
+    resp = completion(router.url, "hello")
+    assert resp.status_code == 502
+    message = error_message(resp)
+    assert "decode" in message and "incompatible" in message, message
+    assert "peer has 'mistral', this instance has 'llama'" in message
+    assert "num_kv_heads: peer has 1, this instance has 2" in message
+    assert_all_free(cl.d_pull, cl.p_other)  # P's pinned blocks go when the lease ends
+
+
+@pytest.mark.parametrize(
+    "router_mode, p_name, d_name, words",
+    [
+        ("push", "p_delay", "d_pull", ["decode", "push mode", "this instance is in pull mode"]),
+        ("pull", "p_pull", "d_push", ["decode", "pull mode", "this instance is in push mode"]),
+        ("pull", "p_push", "d_push", ["prefill", "push", "pull mode"]),
+    ],
+    ids=["push-router-pull-D", "pull-router-push-D", "pull-router-push-P"],
+)
+def test_mixed_modes_refused(cl: Cluster, router_mode: str, p_name: str, d_name: str, words: list[str]) -> None:
+    p, d = getattr(cl, p_name), getattr(cl, d_name)
+    resp = completion(cl.router(router_mode, p, d).url, "mixed modes")
+    assert resp.status_code == 502, resp.text
+    message = error_message(resp)
+    for word in words:
+        assert word in message, message
+    assert_all_free(p, d)
+
+
+def test_push_router_passes_bad_input_on_and_frees(cl: Cluster) -> None:
+    router = cl.router("push", cl.p_push, cl.d_push)
+    resp = completion(router.url, "hi", temperature=-1)
+    assert resp.status_code == 400 and "temperature" in error_message(resp)
+    resp = completion(router.url, "a" * 300)
+    assert resp.status_code == 400 and "256" in error_message(resp)
+    assert_all_free(cl.p_push, cl.d_push)
+
+
+def test_malformed_kv_transfer_params_fail_cleanly(cl: Cluster) -> None:
+    """kv_transfer_params come from the router, not the user: a malformed set is the deployment's fault, so a
+    500 with the reason (the router makes it a 502 naming the leg); the blocks come back, D keeps serving."""
+    bad = [
+        (cl.d_pull, {"do_remote_prefill": True, "transfer_mode": "pull"}, "remote_block_ids"),
+        (cl.d_pull, {"do_remote_prefill": True, "transfer_mode": "pull", "remote_host": "127.0.0.1",
+                     "remote_port": 1, "remote_block_ids": [0], "remote_request_id": "r", "remote_num_tokens": 3},
+         "prefill has KV for 3 tokens, 4 needed"),
+        (cl.d_push, {"do_remote_prefill": True, "transfer_mode": "push"}, "transfer_id"),
+        (cl.d_push, {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": "x"},
+         "malformed value for a push: invalid literal for int() with base 10: 'x'"),
+    ]  # fmt: skip
+    for d, params, words in bad:
+        resp = completion(d.url, "hell", kv_transfer_params=params)
+        assert resp.status_code == 500, resp.text
+        assert "KV transfer failed" in error_message(resp) and words in error_message(resp), error_message(resp)
+    assert_all_free(cl.d_pull, cl.d_push)
+    for d in (cl.d_pull, cl.d_push):
+        assert answer(completion(d.url, "hell")) == answer(completion(cl.ref.url, "hell"))
+
+
+# ---- a client that leaves while P is still busy ---------------------------------------------------------------------
+@pytest.fixture
+def busy_prefill() -> Iterator[Any]:
+    """Starts a long plain request on a one-request-at-a-time P, so a routed prefill waits in P's queue."""
+    threads: list[threading.Thread] = []
+    results: list[httpx.Response] = []
+
+    def start(p: Proc) -> None:
+        body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}  # ~250 decode steps
+        t = threading.Thread(target=lambda: results.append(post(p.url, "/v1/completions", body)))
+        t.start()
+        threads.append(t)
+        deadline = time.monotonic() + 30
+        while scrape_metrics(p.url)["pdserve_requests_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    yield start
+    for t in threads:
+        t.join(120)
+    assert all(r.status_code == 200 for r in results)  # the other request was not disturbed
+
+
+def _raw_post(port: int, body: dict[str, Any], request_id: str) -> socket.socket:
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"X-Request-Id: {request_id}\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(head.encode() + payload)
+    return s
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_disconnect_while_prefill_queued_aborts_both_legs(cl: Cluster, busy_prefill: Any, mode: str) -> None:
+    p, d = (cl.p_pull, cl.d_pull) if mode == "pull" else (cl.p_push, cl.d_push)
+    router = cl.router(mode, p, d)
+    busy_prefill(p)
+    rid = f"gone-{uuid.uuid4().hex}"
+    s = _raw_post(router.port, {"prompt": PROMPT, **GREEDY}, rid)
+    try:
+        deadline = time.monotonic() + 30
+        while scrape_metrics(p.url)["pdserve_requests_waiting"] < 1 or (
+            mode == "push" and scrape_metrics(d.url)["pdserve_requests_waiting_for_kv"] < 1
+        ):  # P queued it behind the long request; in push mode D has its blocks and waits for them to be written
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        s.close()
+    assert wait_log_status(p, rid) == "499"  # P aborted the queued prefill (a computed one would be a 200)
+    if mode == "push":
+        assert wait_log_status(d, rid) == "499"  # and D its parked request
+    else:
+        assert f"request {rid} " not in d.log_text()  # D never got a leg
+    assert_all_free(p, d)
+
+
+def test_everything_free_at_the_end(cl: Cluster) -> None:
+    """Last in the module: every instance is back to all blocks free; the engine-loop counters ran."""
+    assert_all_free(*cl.instances)
+    for d in (cl.d_pull, cl.d_push):
+        m = scrape_metrics(d.url)
+        assert m["pdserve_engine_steps_total"] > 0 and m["pdserve_engine_transfer_hook_seconds_total"] > 0
