@@ -87,13 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--push-registration-timeout-s",
         type=float,
         default=None,
-        help="push: P drops a registration whose prefill never came after this many seconds (30)",
+        help="push: P drops a registration whose prefill never came after this many seconds (120; includes P's queueing)",
     )
     g.add_argument(
         "--kv-recv-timeout-s",
         type=float,
         default=None,
-        help="D fails (or recomputes) a request whose KV has not arrived after this many seconds (60)",
+        help="D fails (or recomputes) a request whose KV has not arrived after this many seconds (120; in push mode this includes P's queueing and prefill)",
     )
     g.add_argument(
         "--kv-load-failure-policy",
