@@ -170,7 +170,7 @@ class AsyncEngine:
         e = self.engine
         s = e.scheduler
         t = e.kv_worker.stats()
-        ttft, e.ttft_seconds = e.ttft_seconds, []
+        ttft = [e.ttft_seconds.popleft() for _ in range(len(e.ttft_seconds))]  # deque pops are atomic
         return EngineStats(
             num_blocks_total=e.num_blocks,
             num_blocks_free=e.pool.num_free,

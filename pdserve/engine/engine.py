@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +46,7 @@ class LLMEngine:
         self.kv_worker.start(wakeup)  # joined in shutdown()
         self._text: dict[str, TextTracker] = {}
         self._timelines: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self.ttft_seconds: list[float] = []  # new observations; drained by the metrics reader
+        self.ttft_seconds: deque[float] = deque()  # new observations; popped (thread-safe) by the metrics reader
         self.num_steps = 0  # step() calls so far
         self.transfer_hook_seconds = 0.0  # engine-thread time spent in the connector hooks (cumulative)
 

@@ -171,7 +171,8 @@ def build_app(
         if not served_model_names:
             state.check_ready()  # the model's own name is known once it is loaded
         max_len = engine.max_model_len if engine.is_ready else None
-        cards = [ModelCard(id=name, max_model_len=max_len) for name in state.model_names]
+        root = engine.config.model.model
+        cards = [ModelCard(id=name, root=root, max_model_len=max_len) for name in state.model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/metrics")

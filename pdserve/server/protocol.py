@@ -189,6 +189,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pdserve"
+    root: str | None = None  # what the server loaded (path or built-in name), as vLLM reports it
     max_model_len: int | None = None
 
 
