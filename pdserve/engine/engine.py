@@ -88,6 +88,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
+        self._submit_transfers()  # now, not at the next step: an idle P may not take one soon
         return None if req is None else self._output(req)
 
     def has_work(self) -> bool:

@@ -78,10 +78,12 @@ class Scheduler:
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         self.requests.pop(req.request_id, None)
         keep, params = False, None
-        if reason in ("stop", "length"):  # an aborted prefill has nothing to hand over (push: registration expires)
+        if reason in ("stop", "length"):
             keep, params = self.connector.on_request_finished(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, req.kv_transfer_params
             )
+        else:  # abort or error: nothing to hand over (push: P refuses D's registration at once)
+            self.connector.on_request_aborted(req.request_id)
         if keep:
             self.pinned[req.request_id] = req
         else:

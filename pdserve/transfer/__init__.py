@@ -31,13 +31,18 @@ Push: D allocates at arrival, handshakes (P loads D's agent), sends PushRegister
 from its transfer thread. P's rendezvous pairs it with the finished prefill in either order; the second to
 arrive triggers one WRITE carrying PushDone; P reports finished_sends when the WRITE is over; D reports
 finished_recvs once every producer rank's PushDone arrived. Only the newest attempt of a transfer id is written.
+P's scheduler half announces each arriving request's transfer id (StepMeta.expected) and those that end
+without a prefill (StepMeta.abandoned): while P has the prefill queued or running it keeps D's registration
+and answers it with PushQueued (then every keepalive_ms), which restarts D's receive clock; an abandoned
+transfer's registration gets PushFail at once. Only a registration P knows nothing about times out.
 
 Who frees which block when (nothing is freed while a READ/WRITE may still land in it):
   P pinned (pull):  D's PullRelease, or lease_s expiry ("expired").
   P pinned (push):  the WRITE is DONE/failed; or lease_s without a registration ("expired").
   D (pull):         READ done/failed, handshake failed, recv_timeout_s before the READ (a posted READ is
                     cancelled through NIXL or waited for).
-  D (push):         all PushDone (finished); PushFail (P gave up: registration timeout, bad request, write error);
+  D (push):         all PushDone (finished); PushFail (P gave up: registration timeout, prefill aborted on P, bad
+                    request, write error);
                     after a timeout/abort: P's PushCancelAck, or P known dead (NIXL disconnect, or its side
                     channel refuses / answers with another agent).
 """

@@ -85,9 +85,13 @@ class StepMeta:
     recvs: list[RecvTask] = field(default_factory=list)
     sends: list[SendTask] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # request ids of RecvTasks aborted before landing
+    # P (push): (request id, transfer id) of requests that arrived and will hand their KV over as a SendTask;
+    # each later ends as exactly one SendTask or one `abandoned` entry
+    expected: list[tuple[str, str]] = field(default_factory=list)
+    abandoned: list[str] = field(default_factory=list)  # P: request ids of `expected` that ended without a send
 
     def __bool__(self) -> bool:
-        return bool(self.recvs or self.sends or self.cancels)
+        return bool(self.recvs or self.sends or self.cancels or self.expected or self.abandoned)
 
 
 @dataclass
@@ -125,7 +129,8 @@ class ConnectorScheduler(ABC):
 
     @abstractmethod
     def needs_remote_kv(self, request_id: str, params: dict[str, Any] | None) -> bool:
-        """A new request arrived; True if its prompt KV comes from a remote prefill (D side)."""
+        """A new request arrived; True if its prompt KV comes from a remote prefill (D side). Called for every
+        request, so a P side learns here which transfers it will produce."""
 
     @abstractmethod
     def on_blocks_allocated(
@@ -139,6 +144,11 @@ class ConnectorScheduler(ABC):
     ) -> tuple[bool, dict[str, Any] | None]:
         """A request finished. Returns (keep its blocks pinned until a finished send, kv_transfer_params for
         the response)."""
+
+    @abstractmethod
+    def on_request_aborted(self, request_id: str) -> None:
+        """A request ended without finishing (abort or error) and holds no blocks a transfer may touch: forget
+        it. P side: its prefill will never be handed over (push: a registration waiting for it is refused)."""
 
     @abstractmethod
     def on_recv_aborted(self, request_id: str) -> None:

@@ -32,6 +32,9 @@ class NopScheduler(ConnectorScheduler):
     ) -> tuple[bool, dict[str, Any] | None]:
         return False, None
 
+    def on_request_aborted(self, request_id: str) -> None:
+        pass
+
     def on_recv_aborted(self, request_id: str) -> None:
         raise RuntimeError("a colocated instance never waits for remote KV")
 

@@ -13,7 +13,7 @@ from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask, StepMe
 from pdserve.transfer.push_recv import RecvSide
 from pdserve.transfer.push_send import SendSide
 from pdserve.transfer.scheduler_base import SchedulerBase
-from pdserve.transfer.wire import Message, PushCancel, PushCancelAck, PushDone, PushFail, PushRegister
+from pdserve.transfer.wire import Message, PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister
 from pdserve.transfer.worker import NixlWorker, TransferContext
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,20 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._attempts: OrderedDict[str, int] = OrderedDict()  # D: transfer id -> last attempt number
+        self._producing: dict[str, str] = {}  # P: request id -> transfer id, from arrival until finish or abort
+
+    def needs_remote_kv(self, request_id: str, params: dict[str, Any] | None) -> bool:
+        # P: tell the transfer thread at arrival, so a registration for a queued prefill does not time out
+        if params and params.get("do_remote_decode") and params.get("transfer_id"):
+            tid = str(params["transfer_id"])
+            self._producing[request_id] = tid
+            self.meta.expected.append((request_id, tid))
+        return super().needs_remote_kv(request_id, params)
+
+    def on_request_aborted(self, request_id: str) -> None:
+        super().on_request_aborted(request_id)
+        if self._producing.pop(request_id, None) is not None:
+            self.meta.abandoned.append(request_id)
 
     def recv_task(
         self, request_id: str, block_ids: tuple[int, ...], start: int, num_tokens: int, params: dict[str, Any]
@@ -41,6 +55,7 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
         self, request_id: str, block_ids: list[int], num_tokens: int, params: dict[str, Any] | None
     ) -> tuple[bool, dict[str, Any] | None]:
         self.forget(request_id)
+        self._producing.pop(request_id, None)  # ends as the SendTask below (same transfer id)
         if not (params and params.get("do_remote_decode")):
             return False, None
         tid = params.get("transfer_id")
@@ -59,8 +74,12 @@ class PushCore:
         self.recv = RecvSide(ctx)
 
     def on_step(self, meta: StepMeta, now: float) -> None:
+        for rid, tid in meta.expected:  # before sends and abandons: a request may end in its arrival step
+            self.send.on_expect(rid, tid, now)
         for s in meta.sends:
             self.send.on_send(s, now)
+        for rid in meta.abandoned:
+            self.send.on_abandon(rid)
         for r in meta.recvs:
             self.recv.on_recv(r, now)
         for rid in meta.cancels:
@@ -75,6 +94,8 @@ class PushCore:
             self.recv.on_done(msg)
         elif isinstance(msg, PushFail):
             self.recv.on_fail(msg)
+        elif isinstance(msg, PushQueued):
+            self.recv.on_queued(msg, now)
         elif isinstance(msg, PushCancelAck):
             self.recv.on_ack(msg)
         else:

@@ -5,8 +5,14 @@ loads D's agent so it can WRITE and answer), then sends a PushRegister notificat
 engine loop never waits on it). Each producer rank's WRITE carries a PushDone that NIXL delivers after the
 data; when every producer's has arrived the recv is finished.
 
-Blocks a WRITE may still land in are never reported reusable. Once registered, a timeout (recv_timeout_s)
-or an engine abort sends PushCancel and the recv ends only when, for every producer, P answered
+The receive clock (recv_timeout_s) runs from the last sign of life of the prefill: the RecvTask's arrival,
+then each PushQueued, which P sends at once and every keepalive_ms (a quarter of recv_timeout_s, asked for in
+the registration) while it has the registration and the prefill is queued or running. So a slow but working
+P never makes D give up; a P that lost the prefill leg (it never answers PushQueued), died, or went silent
+does, recv_timeout_s after it last spoke.
+
+Blocks a WRITE may still land in are never reported reusable. Once registered, a timeout or an engine abort
+sends PushCancel and the recv ends only when, for every producer, P answered
 (PushCancelAck, PushDone or PushFail) or P is known dead (NIXL says disconnected, or P's side channel
 refuses or answers with another agent). A timed-out recv whose data landed after all is reported finished.
 """
@@ -21,12 +27,14 @@ from typing import Any
 from pdserve.transfer.agent import AgentError, PeerGone
 from pdserve.transfer.base import RecvTask
 from pdserve.transfer.peers import Peer
-from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushRegister, encode
+from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister, encode
 from pdserve.transfer.worker import TransferContext
 
 log = logging.getLogger(__name__)
 
 PROBE_AFTER_S = 1.0  # after a cancel gets no answer this long, ask P's side channel whether P still exists
+KEEPALIVES_PER_TIMEOUT = 4  # P is asked for a PushQueued this many times per recv_timeout_s
+MIN_KEEPALIVE_MS = 10
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,8 @@ class _Wait:
     over_ranks: set[int] = field(default_factory=set)  # producers that will write nothing (more)
     num_bytes: int = 0
     registered_at: float = 0.0
+    alive_at: float = 0.0  # time.monotonic() of the last sign of life (arrival, then P's PushQueued)
+    num_queued: int = 0  # PushQueued notices received
     cancel_why: str | None = None  # "abort" (engine) or "timeout"
     fail_reason: str = ""
 
@@ -82,7 +92,7 @@ class RecvSide:
         except ValueError as e:
             self.ctx.sink.recv_failed(rid, str(e))
             return
-        w = _Wait(task, remote)
+        w = _Wait(task, remote, alive_at=now)
         if w.key in self.by_key:
             self.ctx.sink.recv_failed(rid, f"transfer {remote.transfer_id} attempt {task.attempt} is already waiting")
             return
@@ -111,8 +121,10 @@ class RecvSide:
             return
         t, peer = w.task, w.peer
         assert peer is not None
+        keepalive_ms = max(MIN_KEEPALIVE_MS, int(self.ctx.cfg.recv_timeout_s * 1000 / KEEPALIVES_PER_TIMEOUT))
         msg = PushRegister(w.remote.transfer_id, t.attempt, self.ctx.local.engine_id, list(t.block_ids),
-                           self.ctx.layout.block_size, t.start_token, t.num_tokens, self.ctx.spec.tp_rank)  # fmt: skip
+                           self.ctx.layout.block_size, t.start_token, t.num_tokens, self.ctx.spec.tp_rank,
+                           keepalive_ms)  # fmt: skip
         w.state, w.registered_at = "registered", time.monotonic()
         try:
             self.ctx.agent.send_notif(peer.agent_name, encode(msg))
@@ -134,6 +146,14 @@ class RecvSide:
         w.done_ranks.add(msg.producer_rank)
         w.num_bytes += msg.num_bytes
         self._maybe_over(rid, w)
+
+    def on_queued(self, msg: PushQueued, now: float) -> None:
+        if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
+            rid, w = found
+            w.alive_at = now  # the receive clock restarts (_timeout re-arms itself)
+            if w.num_queued == 0:
+                self.ctx.sink.event(rid, "prefill_queued")
+            w.num_queued += 1
 
     def on_fail(self, msg: PushFail) -> None:
         if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
@@ -160,7 +180,13 @@ class RecvSide:
     def _timeout(self, rid: str, w: _Wait) -> None:
         if self.waits.get(rid) is not w or w.state == "cancelling":
             return
+        due = w.alive_at + self.ctx.cfg.recv_timeout_s
+        if time.monotonic() < due:  # P said since that it is working on the prefill
+            self.ctx.thread.call_at(due, lambda: self._timeout(rid, w))
+            return
         reason = f"KV did not arrive within {self.ctx.cfg.recv_timeout_s:g} s"
+        if w.num_queued:
+            reason += f" of the prefill instance's last 'queued' notice ({w.num_queued} received)"
         if w.state == "registered":
             self._start_cancel(rid, w, "timeout", reason)
         else:

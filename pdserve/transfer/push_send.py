@@ -5,9 +5,16 @@ newest attempt is ever written (older ones get PushFail). Whichever arrives seco
 destination (this rank -> D's rank) carrying a PushDone notification, which NIXL delivers after the data.
 P's blocks are handed back (finished_sends) when the WRITE is DONE or failed, never while it is in flight.
 
-Timeouts: a registration without a finished prefill after push_registration_timeout_s is dropped (PushFail
-tells D, whose blocks are then safe); a finished prefill without a registration after lease_s is freed
-("expired"). D's PushCancel is answered with PushCancelAck once nothing more can land for that attempt.
+P's scheduler half says at arrival which transfer ids P will produce (StepMeta.expected) and which of those
+ended without a prefill to hand over (StepMeta.abandoned: aborted while queued or running). A registration
+for an expected transfer waits as long as P works on it: P answers it with PushQueued at once and then every
+keepalive_ms the registration asked for (D's receive clock restarts on each), and with PushFail at once if
+the request is abandoned (an abandoned transfer id is remembered: a later registration is refused at once).
+
+Timeouts: a registration for a transfer P does not expect (its prefill leg never arrived, or is not here
+yet) and without a finished prefill after push_registration_timeout_s is dropped (PushFail tells D, whose
+blocks are then safe); a finished prefill without a registration after lease_s is freed ("expired"). D's
+PushCancel is answered with PushCancelAck once nothing more can land for that attempt.
 """
 
 from __future__ import annotations
@@ -21,12 +28,23 @@ from pdserve.transfer.agent import AgentError, PeerGone, Xfer
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.layout import LayoutError, descriptors, token_segments
 from pdserve.transfer.peers import Peer
-from pdserve.transfer.wire import Message, PushCancel, PushCancelAck, PushDone, PushFail, PushRegister, encode
+from pdserve.transfer.wire import (
+    Message,
+    PushCancel,
+    PushCancelAck,
+    PushDone,
+    PushFail,
+    PushQueued,
+    PushRegister,
+    encode,
+)
 from pdserve.transfer.worker import TransferContext
 
 log = logging.getLogger(__name__)
 
 MAX_FINISHED_IDS = 16384  # transfer ids remembered after they were written or expired (late messages)
+MIN_KEEPALIVE_S = 0.05  # PushQueued goes at most this often per registration, whatever D asks for
+ABANDONED = "the prefill request was aborted on the prefill instance"
 
 
 @dataclass
@@ -34,6 +52,7 @@ class _Reg:
     msg: PushRegister
     peer: Peer
     received_at: float  # time.time(), for the timeline
+    keepalive_on: bool = False  # a PushQueued timer chain runs for this registration
 
 
 @dataclass
@@ -62,6 +81,38 @@ class SendSide:
         self.ctx = ctx
         self.rv: dict[str, _Rendezvous] = {}
         self.finished: OrderedDict[str, tuple[int, str]] = OrderedDict()  # transfer id -> (attempt written, why)
+        self.producers: dict[str, set[str]] = {}  # transfer id -> P request ids queued or running that produce it
+        self.producer_tid: dict[str, str] = {}  # P request id -> transfer id (the inverse of producers)
+
+    # ---- P's own requests: expected at arrival, then exactly one send or abandon ------------------------------------
+    def on_expect(self, request_id: str, tid: str, now: float) -> None:
+        if tid in self.finished:  # its send will be refused as a second prefill
+            log.warning("push: request %s produces transfer %s, which is already over", request_id, tid)
+            return
+        self.producers.setdefault(tid, set()).add(request_id)
+        self.producer_tid[request_id] = tid
+        r = self.rv.get(tid)
+        if r is not None and r.reg is not None:  # D registered before P's request arrived: tell D now
+            self._start_keepalive(tid, r.reg)
+
+    def _unexpect(self, request_id: str) -> str | None:
+        """The request's expectation is over (it sent or was abandoned); returns its transfer id if it had one."""
+        tid = self.producer_tid.pop(request_id, None)
+        if tid is not None and (rids := self.producers.get(tid)) is not None:
+            rids.discard(request_id)
+            if not rids:
+                del self.producers[tid]
+        return tid
+
+    def on_abandon(self, request_id: str) -> None:
+        tid = self._unexpect(request_id)
+        if tid is None or tid in self.producers:
+            return  # not expected, or another request of P still produces this transfer
+        r = self.rv.get(tid)
+        if r is not None and (r.send is not None or r.writing):
+            return  # another prefill was handed over for it: that one is written
+        log.info("push: transfer %s abandoned (request %s aborted)", tid, request_id)
+        self._done(r or _Rendezvous(tid), -1, ABANDONED)  # a pending registration gets PushFail now
 
     # ---- the finished prefill ---------------------------------------------------------------------------------------
     def on_send(self, task: SendTask, now: float) -> None:
@@ -73,11 +124,13 @@ class SendSide:
 
     def _add_send(self, task: SendTask, now: float) -> None:
         tid = str(task.params.get("transfer_id"))
-        r = self.rv.setdefault(tid, _Rendezvous(tid))
+        self._unexpect(task.request_id)
+        r = self.rv.get(tid) or _Rendezvous(tid)
         if r.send is not None or r.writing or tid in self.finished:
             log.warning("push: a second prefill for transfer %s (request %s); freeing it", tid, task.request_id)
             self.ctx.sink.send_finished(task.request_id, "failed")
             return
+        self.rv[tid] = r
         r.send = task
         self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire_send(tid, task))
         if r.reg is not None:
@@ -119,16 +172,37 @@ class SendSide:
             self.ctx.sink.event(r.send.request_id, "registration_received", reg.received_at)
             if not r.writing:
                 self._write(r)
+        elif tid in self.producers:
+            self._start_keepalive(tid, reg)
 
     def _expire_reg(self, tid: str, reg: _Reg) -> None:
         r = self.rv.get(tid)
         if r is None or r.reg is not reg:
             return
-        r.reg = None
         timeout = self.ctx.cfg.push_registration_timeout_s
-        self._fail(reg.peer, tid, reg.msg.attempt, f"the prefill did not finish within {timeout:g} s")
+        if tid in self.producers:  # P is working on this prefill: the registration waits as long as that takes
+            self.ctx.thread.call_at(time.monotonic() + timeout, lambda: self._expire_reg(tid, reg))
+            return
+        r.reg = None
+        why = f"the prefill did not finish within {timeout:g} s (no request for this transfer arrived here)"
+        self._fail(reg.peer, tid, reg.msg.attempt, why)
         if r.is_empty:
             del self.rv[tid]
+
+    def _start_keepalive(self, tid: str, reg: _Reg) -> None:
+        if not reg.keepalive_on:
+            reg.keepalive_on = True
+            self._keepalive(tid, reg)
+
+    def _keepalive(self, tid: str, reg: _Reg) -> None:
+        """PushQueued to D now and every keepalive_ms, while reg waits for a prefill P is working on."""
+        r = self.rv.get(tid)
+        if r is None or r.reg is not reg or tid not in self.producers:
+            reg.keepalive_on = False  # written, superseded, cancelled, failed, or no longer expected
+            return
+        self._notify(reg.peer.agent_name, PushQueued(tid, reg.msg.attempt))
+        every = max(MIN_KEEPALIVE_S, reg.msg.keepalive_ms / 1000)
+        self.ctx.thread.call_at(time.monotonic() + every, lambda: self._keepalive(tid, reg))
 
     def on_cancel(self, sender: str, msg: PushCancel) -> None:
         tid, attempt = msg.transfer_id, msg.attempt

@@ -46,6 +46,9 @@ class SchedulerBase:
             return  # blocks were never allocated: nothing to cancel, and no result will follow
         self.meta.cancels.append(request_id)
 
+    def on_request_aborted(self, request_id: str) -> None:
+        self.forget(request_id)  # D: aborted before its blocks were allocated
+
     def forget(self, request_id: str) -> None:
         self._params.pop(request_id, None)
 

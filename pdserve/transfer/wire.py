@@ -15,7 +15,8 @@ from typing import Any, get_type_hints
 import msgpack
 
 # 1: first version — handshake, ping, pull release, push register/done/cancel/cancel-ack/fail (2026-11-30).
-WIRE_VERSION = 1
+# 2: PushRegister.keepalive_ms and PushQueued: P says a registered prefill is queued or running (2026-11-30).
+WIRE_VERSION = 2
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 
@@ -95,6 +96,16 @@ class PushRegister:
     start_token: int
     num_tokens: int
     tp_rank: int  # D's rank
+    keepalive_ms: int  # while the prefill is queued or running on P, P sends PushQueued at least this often
+
+
+@dataclass(frozen=True)
+class PushQueued:
+    """Notification P -> D (push): P has this attempt's registration and its prefill is queued or running;
+    D's receive clock restarts (sent at once, then every keepalive_ms). Unknown transfers get no PushQueued."""
+
+    transfer_id: str
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,7 @@ Message = (
     | PushCancel
     | PushCancelAck
     | PushFail
+    | PushQueued
 )
 _TYPES: dict[str, type] = {
     c.__name__: c
@@ -160,6 +172,7 @@ _TYPES: dict[str, type] = {
         PushCancel,
         PushCancelAck,
         PushFail,
+        PushQueued,
     )
 }
 

@@ -80,6 +80,8 @@ def _child(
                 reply = sched.on_request_finished(*args)
             elif cmd == "abort":
                 sched.on_recv_aborted(*args)
+            elif cmd == "abort_request":  # P: a request ended without finishing (Scheduler.finish, abort/error)
+                sched.on_request_aborted(*args)
             elif cmd == "results":
                 reply = {k: list(v) for k, v in results.items()}
             elif cmd == "kv":

@@ -20,10 +20,18 @@ def cl():
         d8=Instance("decode", "push", block_size=8, debug_delay_register_s=DELAY),  # prefill first
         p_short=Instance("prefill", "push", block_size=4, push_registration_timeout_s=0.3, lease_s=0.3),
         d_short=Instance("decode", "push", block_size=4, recv_timeout_s=0.5),
+        p_q=Instance("prefill", "push", block_size=4, push_registration_timeout_s=0.5),
         p_pull=Instance("prefill", "pull", block_size=4),
     )
     yield insts
     close_all(insts)
+
+
+def wait_event(inst, request_id, name, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while name not in events(inst, request_id):
+        assert time.monotonic() < deadline, f"no {name} for {request_id} within {timeout} s"
+        time.sleep(0.005)
 
 
 def push_once(p, d, tid, p_blocks, d_blocks, num_local, num_prompt, d_first=True):
@@ -108,6 +116,7 @@ def test_recv_timeout_cancels_with_p_ack(cl):
     d.call("alloc", "d-t8", [0, 1], 0, 8)
     kind, reason = d.wait_result("d-t8", timeout=5)
     assert kind == "failed" and "did not arrive within 0.5 s" in reason
+    assert "prefill_queued" not in events(d, "d-t8")  # P never heard of the prefill: no sign of life
     # the prefill finishing late writes nothing: the cancelled registration is gone, the blocks are safe
     before = d.kv()
     p.call("finish", "p-t8", [2, 3], 8, p_params)
@@ -184,15 +193,87 @@ def test_block_size_translation_d_larger(cl):
     assert np.array_equal(after, expected_kv(before, p_kv, [5, 2, 7], [9, 3, 4, 5, 10, 11], 8, 14))
 
 
+# ---- a prefill that queues on an overloaded P ------------------------------------------------------------------------
+QUEUED_S = 3.0  # how long P's prefill takes here: 6x P's registration timeout, 6x D's receive timeout
+
+
+def test_queued_prefill_outlives_both_timeouts(cl):
+    """P works on the prefills for QUEUED_S while its registration timeout is 0.5 s and D's receive timeout
+    0.5 s: PushQueued keeps both waiting, whether P's request or D's registration came first. A registration
+    for a transfer P was never told about still times out meanwhile."""
+    p, d = cl["p_q"], cl["d_short"]
+    pa, da = push_params(p, "q1")  # P's request arrives first
+    pb, db = push_params(p, "q2")  # D registers first: P does not know the transfer yet
+    _, dc = push_params(p, "q3")  # P never gets this prefill
+    assert not p.call("needs", "p-q1", pa)
+    for rid, params, blocks in (("d-q1", da, [0, 1]), ("d-q2", db, [2, 3]), ("d-q3", dc, [4, 5])):
+        assert d.call("needs", rid, params)
+        d.call("alloc", rid, blocks, 0, 8)
+    wait_event(d, "d-q2", "registration_sent")
+    assert not p.call("needs", "p-q2", pb)
+    kind, reason = d.wait_result("d-q3", timeout=5)  # D's receive timeout or P's registration timeout
+    assert kind == "failed" and "within 0.5 s" in reason and "prefill_queued" not in events(d, "d-q3")
+    time.sleep(QUEUED_S)
+    r = d.results()
+    assert not any(rid in ("d-q1", "d-q2") for rid in r["finished_recvs"] + r["cancelled_recvs"])
+    assert not any(rid in ("d-q1", "d-q2") for rid, _ in r["failed_recvs"]), r["failed_recvs"]
+    before, p_kv = d.kv(), p.kv()
+    p.call("finish", "p-q1", [6, 7], 8, pa)
+    p.call("finish", "p-q2", [9, 8], 8, pb)
+    assert d.wait_result("d-q1") == ("finished", None) and d.wait_result("d-q2") == ("finished", None)
+    want = expected_kv(expected_kv(before, p_kv, [0, 1], [6, 7], 0, 7), p_kv, [2, 3], [9, 8], 0, 7)
+    assert np.array_equal(d.kv(), want)
+    ev1, ev2 = events(d, "d-q1"), events(d, "d-q2")
+    assert ev1["registration_sent"] <= ev1["prefill_queued"] < ev1["kv_received"] - QUEUED_S + 0.5
+    assert ev2["registration_sent"] <= ev2["prefill_queued"]
+    p.wait_send("p-q1")
+    p.wait_send("p-q2")
+
+
+def test_abandoned_prefill_fails_registration_at_once(cl):
+    """P's request is aborted while D's registration waits for it: D's recv fails at once (not after a
+    timeout: these instances have the default ones), and nothing lands in its blocks later."""
+    p, d = cl["p4"], cl["d4"]
+    pa, da = push_params(p, "q4")
+    assert not p.call("needs", "p-q4", pa)
+    d.call("needs", "d-q4", da)
+    d.call("alloc", "d-q4", [0, 1], 0, 8)
+    wait_event(d, "d-q4", "prefill_queued")  # P has the registration and knows it is working on the prefill
+    started = time.monotonic()
+    p.call("abort_request", "p-q4")
+    kind, reason = d.wait_result("d-q4", timeout=5)
+    assert kind == "failed" and "aborted on the prefill instance" in reason
+    assert time.monotonic() - started < 1.0
+    # D's blocks are safe: a late prefill for the transfer is refused, and the blocks take another transfer
+    before = d.kv()
+    p.call("finish", "p-q4-late", [2, 3], 8, pa)
+    p.wait_send("p-q4-late")
+    assert np.array_equal(d.kv(), before)
+    before, after, p_kv, _ = push_once(p, d, "q5", [7, 8], [0, 1], 0, 8)
+    assert np.array_equal(after, expected_kv(before, p_kv, [0, 1], [7, 8], 0, 7))
+
+
+def test_registration_after_abandon_is_refused_at_once(cl):
+    p, d = cl["p4"], cl["d4"]
+    pa, da = push_params(p, "q6")
+    p.call("needs", "p-q6", pa)
+    p.call("abort_request", "p-q6")  # aborted while queued, before D registered
+    started = time.monotonic()
+    d.call("needs", "d-q6", da)
+    d.call("alloc", "d-q6", [0, 1], 0, 8)
+    kind, reason = d.wait_result("d-q6", timeout=5)
+    assert kind == "failed" and "aborted on the prefill instance" in reason
+    assert time.monotonic() - started < 1.0
+
+
 # ---- dead peers (these kill shared instances: keep them last) ------------------------------------------------------
 def test_dead_prefill_fails_recv_after_timeout(cl):
     p, d = cl["p_short"], cl["d_short"]
-    _, d_params = push_params(p, "t15")
+    p_params, d_params = push_params(p, "t15")
+    p.call("needs", "p-t15", p_params)  # P is working on it: it keeps D waiting until it dies
     d.call("needs", "d-t15", d_params)
     d.call("alloc", "d-t15", [0, 1], 0, 8)
-    deadline = time.time() + 5
-    while "registration_sent" not in events(d, "d-t15") and time.time() < deadline:
-        time.sleep(0.01)
+    wait_event(d, "d-t15", "prefill_queued")
     p.kill()
     kind, reason = d.wait_result("d-t15", timeout=10)
     assert kind == "failed" and "did not arrive" in reason

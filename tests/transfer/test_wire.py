@@ -13,6 +13,7 @@ from pdserve.transfer.wire import (
     Ping,
     PullRelease,
     PushCancelAck,
+    PushQueued,
     PushRegister,
     WireError,
     compat_hash,
@@ -36,7 +37,8 @@ def info(**kw) -> PeerInfo:
     [
         Ping(),
         PullRelease("r1", True, 123),
-        PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0),
+        PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0, 15000),
+        PushQueued("t1", 2),
         PushCancelAck("t1", 0, 0, False),
         HandshakeRequest(info(), True),
         HandshakeReply(True, info(), ""),
@@ -72,6 +74,7 @@ def test_round_trip(msg):
                     "start_token": 0,
                     "num_tokens": 1,
                     "tp_rank": 0,
+                    "keepalive_ms": 1000,
                 }
             ),
             "list of int",

@@ -16,7 +16,8 @@ class RecordingConnector(NopScheduler):
         super().__init__(block_size)
         self.allocated = []
         self.finished = []
-        self.aborted = []
+        self.aborted = []  # on_recv_aborted (D)
+        self.ended = []  # on_request_aborted (abort or error, P and D)
 
     def needs_remote_kv(self, request_id, params):
         return bool(params and params.get("do_remote_prefill"))
@@ -30,6 +31,9 @@ class RecordingConnector(NopScheduler):
 
     def on_recv_aborted(self, request_id):
         self.aborted.append(request_id)
+
+    def on_request_aborted(self, request_id):
+        self.ended.append(request_id)
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, caching=True):
@@ -160,6 +164,28 @@ def test_prefill_side_pins_blocks_until_sent():
     assert conn.finished == ["p"] and "p" in s.pinned and pool.num_free < pool.num_blocks
     s.on_send_finished("p")
     assert pool.num_free == pool.num_blocks
+
+
+def test_prefill_aborted_queued_or_running_tells_the_connector():
+    """A P request aborted before it finished has nothing to hand over: the connector hears of it (push: P
+    refuses D's registration at once); blocks are freed, nothing is pinned."""
+    s, pool, conn = make(budget=4)
+    s.add(req("queued", 10, max_tokens=1, params={"do_remote_decode": True}))
+    s.add(req("running", 10, max_tokens=1, start=50, params={"do_remote_decode": True}))
+    s.abort("queued")
+    run_step(s)  # "running" has its first 4 prompt tokens computed
+    s.abort("running")
+    assert conn.ended == ["queued", "running"] and conn.finished == [] and conn.aborted == []
+    assert not s.pinned and pool.num_free == pool.num_blocks
+
+
+def test_failed_recv_finishing_with_error_tells_the_connector():
+    s, _, conn = make()
+    s.add(req("d", 10, params={"do_remote_prefill": True}))
+    s.schedule()
+    r = s.on_kv_failed("d", recompute=False)
+    s.finish(r, "error", "KV transfer failed")
+    assert conn.ended == ["d"] and conn.finished == []
 
 
 def test_failed_recv_recompute_runs_locally():
