@@ -72,10 +72,11 @@ class TransferConfig:
     side_channel_port: int = 5600
     kv_buffer_device: Literal["device", "cpu"] = "device"
     lease_s: float = 30.0  # P frees blocks nobody consumed after this long (counted as expired)
-    # In push mode D registers at arrival, so both clocks below include P's queueing and prefill time:
-    # they are sized for an overloaded prefill instance, not for a healthy one (docs/architecture.md).
-    push_registration_timeout_s: float = 120.0  # P drops a registration with no prefill after this long
-    recv_timeout_s: float = 120.0  # D fails (or recomputes) a request whose KV has not landed by then
+    # Push: neither clock below runs out while P has the prefill queued or running (P learns of it at arrival,
+    # keeps D's registration and restarts D's clock with PushQueued): they need not cover an overloaded P's
+    # queue (docs/architecture.md, "Push under an overloaded prefill instance").
+    push_registration_timeout_s: float = 30.0  # P drops a registration for a transfer it has no request for
+    recv_timeout_s: float = 60.0  # D fails (or recomputes) a request whose KV has not landed by then
     load_failure_policy: Literal["fail", "recompute"] = "fail"
     debug_delay_finish_s: float = 0.0  # test hook: P delays handing a finished prefill to the transfer thread
     debug_delay_register_s: float = 0.0  # test hook: D delays sending its registration

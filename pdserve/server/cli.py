@@ -87,13 +87,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--push-registration-timeout-s",
         type=float,
         default=None,
-        help="push: P drops a registration whose prefill never came after this many seconds (120; includes P's queueing)",
+        help="push: P drops a registration for a prefill it has not been asked for after this many seconds (30; "
+        "a prefill P has queued or running keeps its registration)",
     )
     g.add_argument(
         "--kv-recv-timeout-s",
         type=float,
         default=None,
-        help="D fails (or recomputes) a request whose KV has not arrived after this many seconds (120; in push mode this includes P's queueing and prefill)",
+        help="D fails (or recomputes) a request whose KV has not arrived after this many seconds (60; in push mode "
+        "counted from P's last notice that the prefill is queued or running)",
     )
     g.add_argument(
         "--kv-load-failure-policy",
