@@ -2,9 +2,14 @@
 
 The engine drives it through three calls (a narrow interface, so one process per tensor-parallel rank can
 later sit behind it): execute(chunks) -> sampled tokens, plus the connector it exposes.
+
+On CUDA (fused decoder) steps whose rows are all single-token decodes replay a captured CUDA graph
+(cuda_graphs.py); everything else runs eagerly. Both give the same tokens.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,17 +18,33 @@ from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan
 from pdserve.model.decoder import Decoder
 
+if TYPE_CHECKING:
+    from pdserve.engine.cuda_graphs import DecodeGraphs
+
 
 class Worker:
-    def __init__(self, decoder: Decoder, kv_cache: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self, decoder: Decoder, kv_cache: torch.Tensor, device: torch.device, use_cuda_graphs: bool = True
+    ) -> None:
         self.decoder = decoder
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.block_size = kv_cache.shape[3]
         self.device = device
+        self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps
+        if use_cuda_graphs and decoder.uses_fused_kernels(device):
+            from pdserve.engine.cuda_graphs import DecodeGraphs, max_blocks_per_seq
+
+            width = max_blocks_per_seq(kv_cache, decoder.arch.max_position_embeddings)
+            self.graphs = DecodeGraphs(decoder, kv_cache, width)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         """Compute KV for every chunk's tokens and sample the next token of chunks that end a request's input."""
+        if self.graphs is not None:
+            if self.graphs.can_run(chunks):
+                return self._execute_graph(chunks)
+            self.graphs.invalidate()
         ctx, input_ids, positions, sample_rows = self._prepare(chunks)
         hidden = self.decoder(input_ids, positions, self.kv_cache, ctx)  # [T, hidden]
         sampling = [c for c in chunks if c.sample]
@@ -31,6 +52,18 @@ class Worker:
             return {}
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.decoder.logits(hidden.index_select(0, rows))  # [N, vocab] float32
+        tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
+        return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+
+    def _execute_graph(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
+        assert self.graphs is not None
+        logits = self.graphs.run(chunks)  # [len(chunks), vocab] float32, row i = chunk i
+        rows = [i for i, c in enumerate(chunks) if c.sample]
+        if not rows:
+            return {}
+        if len(rows) < len(chunks):
+            logits = logits[rows]
+        sampling = [chunks[i] for i in rows]
         tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
         return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
 

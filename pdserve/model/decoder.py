@@ -2,6 +2,11 @@
 
 Per-family deltas are flags on ModelArch: qkv_bias (Qwen2), qk_norm (Qwen3), rope_scaling (Llama 3),
 tie_word_embeddings. Weights are stored fused (qkv, gate_up) and loaded from Hugging Face names.
+
+On CUDA (with Triton) forward() takes the fused path: add+RMSNorm, q/k-norm+rotary+KV store and SiLU-and-mul
+as single Triton kernels (cuda_kernels.py), flash prefill and a paged-decode kernel (cuda_attention.py); the
+same weights and the same function, about 10 launches per layer instead of ~60. `Decoder.use_fused_kernels =
+False` forces the portable path (benchmarks compare the two).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.arch import ModelArch
-from pdserve.model.attention import AttentionContext, paged_attention, write_kv
+from pdserve.model.attention import AttentionContext, cuda_kernels_usable, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):
@@ -85,10 +90,46 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(layer_cache, k, v, ctx.slot_mapping)
-        attn = paged_attention(q, layer_cache, ctx, self.scale)
+        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (before its residual add)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream, None before the first layer
+        positions: torch.Tensor,  # [T] int64
+        cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2] float32 (cuda_kernels.rope_cos_sin)
+        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CUDA path of forward(): returns (this layer's MLP output, residual stream); their sum is forward()'s."""
+        from pdserve.model import cuda_kernels as ck
+
+        t = x.shape[0]
+        h, residual = ck.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]; q and k are rotated in place below
+        ck.qkv_rope_store(
+            qkv,
+            positions,
+            cos_sin,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            layer_cache,
+            ctx.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.input_layernorm.eps if self.q_norm is None else self.q_norm.eps,
+        )
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v)  # [T, num_heads, head_dim]
+        x = self.o_proj(attn.reshape(t, self.q_size))
+        post = self.post_attention_layernorm
+        h, residual = ck.add_rmsnorm(x, residual, post.weight, post.eps)
+        return self.down_proj(ck.silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class Decoder(nn.Module):
@@ -102,6 +143,12 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
+        self._rope_table: torch.Tensor | None = None  # fused path: cos/sin per position, built on first use
+
+    def uses_fused_kernels(self, device: torch.device) -> bool:
+        """Whether forward() on `device` takes the fused CUDA path."""
+        return self.use_fused_kernels and cuda_kernels_usable(device, self.arch.head_dim)
 
     def forward(
         self,
@@ -110,12 +157,26 @@ class Decoder(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         ctx: AttentionContext,
     ) -> torch.Tensor:
+        if self.uses_fused_kernels(input_ids.device):
+            return self._forward_fused(input_ids, positions, kv_cache, ctx)
         x = self.embed_tokens(input_ids)
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim/2], float32
         cos, sin = freqs.cos().to(x.dtype).unsqueeze(1), freqs.sin().to(x.dtype).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i], ctx)
         return self.norm(x)
+
+    def _forward_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        from pdserve.model.cuda_kernels import add_rmsnorm, rope_cos_sin
+
+        if self._rope_table is None or self._rope_table.device != input_ids.device:
+            self._rope_table = rope_cos_sin(self.inv_freq.to(input_ids.device), self.arch.max_position_embeddings)
+        x, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer.forward_fused(x, residual, positions, self._rope_table, kv_cache[i], ctx)
+        return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
