@@ -22,7 +22,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 IDLE_WAIT_S = 1.0  # nothing to do at all: wake up at least this often
-TRANSFER_WAIT_S = 0.005  # only transfers pending: the transfer thread's wakeup normally comes sooner
+TRANSFER_WAIT_S = 0.05  # only transfers pending: a safety net; the transfer thread calls wakeup() on results
 
 
 @dataclass
