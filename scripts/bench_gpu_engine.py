@@ -76,6 +76,9 @@ def bench_pdserve(
     )
     eng = llm.engine
     arch = eng.worker.decoder.arch
+    if eng.worker.graphs is not None:  # one-row step, ms: 0 = cuBLAS, 1 = Triton GEMV (the faster is used)
+        detail["gemv_calibration_ms"] = {str(k): round(v, 3) for k, v in eng.worker.graphs.gemv_calibration.items()}
+        print("one-row step (graph replay, ms), cuBLAS vs Triton GEMV:", detail["gemv_calibration_ms"], flush=True)
     vocab = arch.vocab_size
     greedy1 = SamplingParams.greedy(1, ignore_eos=True)
     prefill: dict[str, float] = {}

@@ -17,6 +17,8 @@ read (the sampler syncs).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from pdserve.engine.scheduler import ScheduledChunk
@@ -55,6 +57,7 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, logits)
         self._row_owner: list[str | None] = []  # request id whose block table row i of the staging buffer holds
         self._row_blocks: list[int] = []  # entries of that row already staged
+        self.gemv_calibration: dict[int, float] = {}  # Decoder.gemv_max_rows -> ms of a one-row step
         self.invalidate()
 
     def can_run(self, chunks: list[ScheduledChunk]) -> bool:
@@ -76,25 +79,53 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, in one memory pool (a few hundred ms; Triton compiles first)."""
+        """Capture every bucket, largest first, in one memory pool (a few hundred ms; Triton compiles first).
+
+        Before that, for one row, times a captured step with cuBLAS and with the Triton GEMV and keeps the
+        faster (Decoder.gemv_max_rows); the timings stay in gemv_calibration."""
         r = self.max_rows
         self._host_np[:] = 0
         self._host_np[2 * r : 3 * r] = -1  # slots: store nothing
         self._dev.copy_(self._host)
+        if 1 in self.buckets:
+            self._calibrate_gemv()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for rows in reversed(self.buckets):
-                self._forward(rows)  # warm-up: compiles kernels, settles allocations
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self._warm_up(reversed(self.buckets))
         for rows in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits = self._forward(rows)
             self._graphs[rows] = (graph, logits)
         torch.cuda.synchronize()
+
+    def _warm_up(self, buckets: Iterable[int]) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for rows in buckets:
+                self._forward(rows)  # compiles (and autotunes) kernels, settles allocations
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def _calibrate_gemv(self, replays: int = 10) -> None:
+        for setting in (0, 1):
+            self.decoder.gemv_max_rows = setting
+            self._warm_up([1])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._forward(1)
+            for _ in range(3):
+                graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            self.gemv_calibration[setting] = start.elapsed_time(end) / replays
+            del graph
+        cublas, gemv = self.gemv_calibration[0], self.gemv_calibration[1]
+        self.decoder.gemv_max_rows = 1 if gemv < 0.99 * cublas else 0
 
     def invalidate(self) -> None:
         """Forget which block-table rows are already staged (call after any step that did not replay a graph:

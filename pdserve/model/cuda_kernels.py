@@ -30,8 +30,18 @@ def supports(head_dim: int) -> bool:
 
 @triton.jit
 def _rnd(x, dtype: tl.constexpr):
-    """Round a float32 value to `dtype` and back (what a torch op in that dtype does to its output)."""
-    return x.to(dtype).to(tl.float32)
+    """Round a float32 value to `dtype` and back (what a torch op in that dtype does to its output).
+
+    bfloat16 rounds by integer arithmetic (to nearest, ties to even): the compiler folds a plain
+    float32 -> bfloat16 -> float32 round trip away, which silently skips the rounding."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
 
 
 @triton.jit
@@ -202,6 +212,43 @@ def _silu_mul_kernel(X, OUT, stride_x, stride_o, n, BLOCK: tl.constexpr):
     u = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
     s = _rnd(g / (1.0 + tl.exp(-g)), dt)
     tl.store(OUT + row * stride_o + cols, (s * u).to(dt), mask=mask)
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+        for bn, bk, w in [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 256, 4), (32, 256, 8)]
+    ],
+    key=["N", "K"],
+)
+@triton.jit
+def _gemv_kernel(X, W, B, OUT, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    rows = W + n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(X + k, mask=kmask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(OUT + n, y.to(OUT.dtype.element_ty), mask=nmask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N]: batch-1 linear layer as one bandwidth-bound pass over the
+    weight (cuBLAS reaches 1.8-2.6 TB/s on the 8B shape's smaller matrices; see engine_detail.json)."""
+    n, k = weight.shape
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _gemv_kernel[grid](
+        x, weight, weight if bias is None else bias, out, n, k, weight.stride(0), HAS_BIAS=bias is not None
+    )
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -103,13 +103,17 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2] float32 (cuda_kernels.rope_cos_sin)
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         ctx: AttentionContext,
+        gemv: bool = False,  # one row: linear layers through the Triton GEMV instead of cuBLAS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The CUDA path of forward(): returns (this layer's MLP output, residual stream); their sum is forward()'s."""
         from pdserve.model import cuda_kernels as ck
 
+        def linear(layer: nn.Linear, inp: torch.Tensor) -> torch.Tensor:
+            return ck.gemv(inp, layer.weight, layer.bias) if gemv else layer(inp)
+
         t = x.shape[0]
         h, residual = ck.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]; q and k are rotated in place below
+        qkv = linear(self.qkv_proj, h)  # [T, q_size + 2 * kv_size]; q and k are rotated in place below
         ck.qkv_rope_store(
             qkv,
             positions,
@@ -126,10 +130,10 @@ class DecoderLayer(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, layer_cache, ctx, self.scale, k, v)  # [T, num_heads, head_dim]
-        x = self.o_proj(attn.reshape(t, self.q_size))
+        x = linear(self.o_proj, attn.reshape(t, self.q_size))
         post = self.post_attention_layernorm
         h, residual = ck.add_rmsnorm(x, residual, post.weight, post.eps)
-        return self.down_proj(ck.silu_and_mul(self.gate_up_proj(h))), residual
+        return linear(self.down_proj, ck.silu_and_mul(linear(self.gate_up_proj, h))), residual
 
 
 class Decoder(nn.Module):
@@ -145,6 +149,8 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
         self._rope_table: torch.Tensor | None = None  # fused path: cos/sin per position, built on first use
+        self.gemv_max_rows = 0  # fused path: steps of at most this many rows use the Triton GEMV (set by
+        # cuda_graphs.DecodeGraphs.capture where it measured faster than cuBLAS; 0 = never)
 
     def uses_fused_kernels(self, device: torch.device) -> bool:
         """Whether forward() on `device` takes the fused CUDA path."""
@@ -174,8 +180,9 @@ class Decoder(nn.Module):
         if self._rope_table is None or self._rope_table.device != input_ids.device:
             self._rope_table = rope_cos_sin(self.inv_freq.to(input_ids.device), self.arch.max_position_embeddings)
         x, residual = self.embed_tokens(input_ids), None
+        gemv = input_ids.shape[0] <= min(self.gemv_max_rows, 1)  # the GEMV kernel takes one row
         for i, layer in enumerate(self.layers):
-            x, residual = layer.forward_fused(x, residual, positions, self._rope_table, kv_cache[i], ctx)
+            x, residual = layer.forward_fused(x, residual, positions, self._rope_table, kv_cache[i], ctx, gemv)
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,18 @@ def test_graphs_and_eager_agree(tiny_model_dirs: dict[str, Path]) -> None:
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
+@pytest.mark.parametrize("gemv", [0, 1])
+def test_one_row_steps_with_and_without_gemv(
+    tiny_model_dirs: dict[str, Path], hf_reference: Callable[[str], Any], gemv: int
+) -> None:
+    """Eager one-row steps through cuBLAS and through the Triton GEMV (whichever calibration picked)."""
+    llm = _llm(tiny_model_dirs["qwen2"])  # qwen2: q/k/v biases go through the GEMV too
+    llm.engine.worker.graphs = None
+    llm.engine.worker.decoder.gemv_max_rows = gemv
+    for prompt in _prompts([1, 23], seed=4):  # one at a time: every decode step has one row
+        _check(llm, hf_reference("qwen2"), [prompt])
+
+
 @pytest.fixture(scope="module")
 def small_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen3 a little larger than the tiny ones (hidden 512, 4 layers, GQA 8/2, head dim 128)."""

@@ -112,3 +112,16 @@ def test_prefill_attention_matches_portable(offset: int) -> None:
     ref = paged_attention(q.float(), cache.float(), AttentionContext(slots, [span], None, bs), d**-0.5)
     assert out.shape == (nq, h, d)
     assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 12288), (1000, 96)])
+def test_gemv_matches_matmul(shape: tuple[int, int]) -> None:
+    from pdserve.model import cuda_kernels as ck
+
+    n, k = shape
+    w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+    x = torch.randn(1, k, device="cuda", dtype=BF16)
+    b = torch.randn(n, device="cuda", dtype=BF16)
+    ref = x.float() @ w.float().T
+    assert _rel(ck.gemv(x, w, None), ref) < 1e-2
+    assert _rel(ck.gemv(x, w, b), ref + b.float()) < 1e-2
