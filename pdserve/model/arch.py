@@ -58,7 +58,9 @@ class ModelArch:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        scaling = cfg.get("rope_scaling")
+        # transformers >= 5 saves rope settings under "rope_parameters" (theta included); 4.x under rope_*
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             kind = scaling.get("rope_type") or scaling.get("type")
             if kind not in ("llama3", "default"):
@@ -74,7 +76,7 @@ class ModelArch:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),

@@ -125,7 +125,7 @@ class Renderer:
                         if self.include_usage:
                             yield sse(self.usage_chunk(out))
                     break
-                if delta:
+                if delta or pending_ids:  # a token whose text is held back still streams (empty text): TTFT/ITL
                     yield sse(self.chunk(delta, pending_ids, None, None))
                     sent_len, pending_ids = len(out.text), []
                 try:
