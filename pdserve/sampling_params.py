@@ -35,5 +35,5 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @classmethod
-    def greedy(cls, max_tokens: int = 16, **kw: object) -> "SamplingParams":
+    def greedy(cls, max_tokens: int = 16, **kw: object) -> SamplingParams:
         return cls(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]

@@ -105,8 +105,10 @@ def main() -> None:
             steps8.append(time.perf_counter() - t)
     while eng.has_work():
         eng.step()
-    print(f"\n== batch-8 decode (profiled), 12 steps: step {med(steps8):.2f} ms -> {8000 / med(steps8):.1f} tok/s; "
-          f"forward {med(timers['forward']):.2f} ms, logits {med(timers['logits']):.2f} ms")
+    print(
+        f"\n== batch-8 decode (profiled), 12 steps: step {med(steps8):.2f} ms -> {8000 / med(steps8):.1f} tok/s; "
+        f"forward {med(timers['forward']):.2f} ms, logits {med(timers['logits']):.2f} ms"
+    )
     print(prof_b8.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 
     print(f"\n== torch.profiler, {args.steps} decode steps (self CPU time)")

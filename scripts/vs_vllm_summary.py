@@ -1,6 +1,6 @@
 """Summarize scripts/bench_vs_vllm.sh's output folder into one JSON (and print the table).
 
-    python scripts/vs_vllm_summary.py /tmp/vs_vllm docs/results/cpu/vs_vllm.json
+python scripts/vs_vllm_summary.py /tmp/vs_vllm docs/results/cpu/vs_vllm.json
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class ModelArch:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         """Build from a config.json dict; refuses architectures this decoder does not implement."""
         archs = cfg.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
