@@ -28,15 +28,17 @@ NUM_STAGES = 4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model for both servers (default: the built-in)")
-    parser.add_argument("--question", default=QUESTION)
-    parser.add_argument("--results-dir", type=Path, default=Path("results/demo"))
+    parser.add_argument("--question", default=QUESTION, help="the chat question asked first")
+    parser.add_argument("--results-dir", type=Path, default=Path("results/demo"), help="where result JSONs and PNGs go")
     # sized for 2 busy cores: one 256-token prefill takes 0.5-2 s here, so these rates stay below saturation
     parser.add_argument("--qps", default="0.25,0.5", help="comma-separated request rates of the sweep")
     parser.add_argument("--input-lens", default="64,256", help="comma-separated prompt lengths of the sweep")
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=16, help="output tokens per sweep request")
     parser.add_argument("--num-prompts", type=int, default=6, help="requests per sweep point")
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads per server")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for the servers to be healthy"
+    )
 
 
 def stage(index: int, text: str) -> None:

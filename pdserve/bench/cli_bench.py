@@ -25,41 +25,45 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server or router URL")
-    parser.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    parser.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API path to load")
     parser.add_argument("--model", default=None, help="model name in requests (default: the server's first)")
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer for prompts (default: --model; smollm2-135m is built in)"
     )
-    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests to send (after warm-ups)")
     parser.add_argument(
         "--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals; inf = all at once"
     )
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=1024)
-    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
+    parser.add_argument(
+        "--input-len", "--random-input-len", dest="input_len", type=int, default=1024, help="prompt tokens per request"
+    )
+    parser.add_argument(
+        "--output-len", "--random-output-len", dest="output_len", type=int, default=128, help="max_tokens per request"
+    )
     parser.add_argument(
         "--random-range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent with each request")
     parser.add_argument(
         "--no-return-token-ids",
         dest="return_token_ids",
         action="store_false",
         help="do not ask for per-chunk token ids (for servers that refuse vLLM's return_token_ids)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
     parser.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="SLO:MS", help="e.g. ttft:500 tpot:50")
     parser.add_argument("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")
     parser.add_argument("--save-result", action="store_true", help="write the result JSON (implied by below)")
-    parser.add_argument("--result-dir", default=None)
-    parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--result-dir", default=None, help="folder for the result JSON (none: not saved)")
+    parser.add_argument("--result-filename", default=None, help="result file name (default: derived from the run)")
     parser.add_argument("--label", default="pdserve", help="prefix of the default result file name")
     parser.add_argument("--request-id-prefix", default=None, help="X-Request-Id prefix (default bench<seed>)")
     parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per request")
-    parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 async def first_model(base_url: str) -> tuple[str, str]:

@@ -11,9 +11,9 @@ from pdserve.bench.plot import METRIC_NAMES, load_results, plot_metric, ratio_li
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-dir", type=Path, required=True, help="folder of sweep result JSONs")
-    parser.add_argument("--metric", choices=list(METRIC_NAMES), default="ttft")
+    parser.add_argument("--metric", choices=list(METRIC_NAMES), default="ttft", help="latency metric to plot")
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default: <results-dir>/<metric>.png)")
-    parser.add_argument("--title", default=None)
+    parser.add_argument("--title", default=None, help="figure title (default: derived)")
 
 
 def run(args: argparse.Namespace) -> int:

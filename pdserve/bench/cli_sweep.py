@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-lens", type=_ints, default=(64,), help="comma-separated output lengths")
     parser.add_argument("--iterations", type=int, default=1, help="runs per grid point")
     parser.add_argument("--num-prompts", type=int, default=20, help="requests per run")
-    parser.add_argument("--results-dir", type=Path, default=Path("results/sweep"))
+    parser.add_argument(
+        "--results-dir", type=Path, default=Path("results/sweep"), help="where result JSONs and logs go"
+    )
     parser.add_argument(
         "--attach",
         action="append",
@@ -46,13 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use a running deployment for MODE instead of starting one (prefill/decode URLs for timelines)",
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer for prompts (default: the model)")
-    parser.add_argument("--endpoint", default="/v1/completions")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--burstiness", type=float, default=1.0)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--endpoint", default="/v1/completions", help="API path to load")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
+    parser.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="spread of prompt/output lengths around the value"
+    )
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
     parser.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per deployment")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
     parser.add_argument("--save-timeline", action="store_true", help="also write timeline_<mode>.json")
     parser.add_argument(
         "--interleave",
@@ -61,11 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     server = parser.add_argument_group("servers started by the sweep (passed to `pdserve serve`)")
-    server.add_argument("--dtype", default=None)
-    server.add_argument("--load-format", default=None)
-    server.add_argument("--block-size", type=int, default=None)
+    server.add_argument("--dtype", default=None, help="server --dtype")
+    server.add_argument("--load-format", default=None, help="server --load-format (dummy: random weights)")
+    server.add_argument("--block-size", type=int, default=None, help="server --block-size")
     server.add_argument("--num-threads", type=int, default=None, help="torch threads per server")
-    server.add_argument("--max-model-len", type=int, default=None)
+    server.add_argument("--max-model-len", type=int, default=None, help="server --max-model-len")
     server.add_argument("--device", default=None, help="cpu or cuda")
     server.add_argument("--prefill-gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of prefill")
     server.add_argument("--decode-gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of decode")

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-dir", type=Path, default=None, help="also save fetched timelines here")
     parser.add_argument("--match", default=None, help="only requests whose id contains this")
     parser.add_argument("--max-requests", type=int, default=24, help="rows per panel (the latest requests)")
-    parser.add_argument("--out", type=Path, default=Path("timeline.png"))
+    parser.add_argument("--out", type=Path, default=Path("timeline.png"), help="PNG to write")
 
 
 def _fetch_panel(spec: str, save_dir: Path | None) -> tuple[str, list]:
