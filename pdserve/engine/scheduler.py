@@ -208,7 +208,7 @@ class Scheduler:
     # ---- helpers ------------------------------------------------------------------------------------------
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start : start + num_new]
+        tokens = req.token_slice(start, start + num_new)  # not all_token_ids: O(context) per step
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=tokens,
@@ -262,11 +262,11 @@ class Scheduler:
 
     def _hashes(self, req: Request, num_blocks: int) -> list[int]:
         """Chained hashes of the request's first num_blocks full blocks (memoised on the request)."""
-        tokens, bs = req.all_token_ids, self.block_size
+        bs = self.block_size
         while len(req.block_hashes) < num_blocks:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+            req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
         return req.block_hashes[:num_blocks]
 
     def _take_prefix_hits(self, req: Request) -> None:

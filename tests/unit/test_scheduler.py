@@ -195,3 +195,12 @@ def test_failed_recv_recompute_runs_locally():
     assert s.on_kv_failed("d", recompute=True) is None
     out = s.schedule()
     assert out.chunks[0].start_pos == 0 and len(out.chunks[0].token_ids) == 10
+
+
+def test_token_slice_matches_the_whole_list():
+    r = req("x", 5)
+    r.output_token_ids = [100, 101, 102]
+    whole = r.all_token_ids
+    for a in range(len(whole) + 1):
+        for b in range(a, len(whole) + 1):
+            assert r.token_slice(a, b) == whole[a:b]
