@@ -15,6 +15,8 @@ Files, one concept each:
   handshake.py       the side channel: TCP + msgpack frames, one asyncio thread, server and client
   peers.py           handshake cache per address, loaded remote agents, liveness probes
   layout.py          block ids + token range -> merged byte regions, block-size translation (pure math)
+  staging.py         kv_buffer_device "cpu": a pinned host mirror NIXL moves instead of a CUDA cache, block-id
+                     copies on a dedicated stream (P: before D can read / before the WRITE; D: before finished)
   wire.py            every message (WIRE_VERSION, encode/decode, compatibility hash and refusal text)
   results.py         thread-safe hand-back of results, events and counters to the engine
 
@@ -35,6 +37,11 @@ P's scheduler half announces each arriving request's transfer id (StepMeta.expec
 without a prefill (StepMeta.abandoned): while P has the prefill queued or running it keeps D's registration
 and answers it with PushQueued (then every keepalive_ms), which restarts D's receive clock; an abandoned
 transfer's registration gets PushFail at once. Only a registration P knows nothing about times out.
+
+Staging (kv_buffer_device "cpu", CUDA cache): NIXL registers a host mirror. Invariant: the mirror holds a
+block's data before any peer can read it (pull: copied in submit() on the engine thread, before the step's
+outputs leave; push: copied before the WRITE is posted), and D's cache is written only by the copy-in that
+precedes finished_recvs. See staging.py.
 
 Who frees which block when (nothing is freed while a READ/WRITE may still land in it):
   P pinned (pull):  D's PullRelease, or lease_s expiry ("expired").

@@ -74,15 +74,19 @@ class NixlAgent:
             log.debug("remove_remote_agent(%s): %s", name, e)
 
     # ---- transfers ----------------------------------------------------------------------------------------------
-    def post(self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, notif: bytes = b"") -> Xfer:
+    def post(
+        self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, notif: bytes = b"", remote_memory: str = ""
+    ) -> Xfer:
         """Post a READ (remote -> local) or WRITE (local -> remote) of [n, 3] (addr, len, dev) descriptor rows;
-        the notification, if any, reaches the peer after the data. Raises AgentError; then nothing is in flight."""
+        the notification, if any, reaches the peer after the data. remote_memory: the peer's "DRAM" | "VRAM"
+        (default: ours; they differ when one side stages through host memory). Raises AgentError; then nothing
+        is in flight."""
         num_bytes = int(local[:, 1].sum()) if len(local) else 0
         try:
             handle = self._agent.initialize_xfer(
                 op,
                 self._agent.get_xfer_descs(local, self.memory),
-                self._agent.get_xfer_descs(remote, self.memory),
+                self._agent.get_xfer_descs(remote, remote_memory or self.memory),
                 peer,
                 notif,
             )

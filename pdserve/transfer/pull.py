@@ -87,7 +87,7 @@ class _Read:
 
     task: RecvTask
     remote: PullParams
-    state: str = "handshake"  # "handshake" -> "reading"
+    state: str = "handshake"  # "handshake" -> "reading" (-> "staging": landed in the mirror, copy-in pending)
     peer: Peer | None = None
     xfer: Xfer | None = None
     cancelled: bool = False  # aborted by the engine: report as cancelled when the READ is over
@@ -186,7 +186,9 @@ class PullCore:
                                   task.start_token, task.num_tokens)  # fmt: skip
             local_descs, remote_descs = descriptors(self.ctx.layout, peer.layout, segs)
             rd.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the READ
-            rd.xfer = self.ctx.agent.post("READ", local_descs, remote_descs, peer.agent_name)
+            rd.xfer = self.ctx.agent.post(
+                "READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory
+            )
         except (LayoutError, AgentError) as e:
             if isinstance(e, PeerGone):
                 self.ctx.peers.forget(peer)
@@ -208,9 +210,32 @@ class PullCore:
             return
         if state == "DONE":
             self.ctx.sink.event(rid, "transfer_done")
-            self._end(rid, rd, None)
+            self._landed(rid, rd)
         elif state == "ERR":
             self._end(rid, rd, f"READ from {rd.peer.engine_id} failed")
+
+    def _landed(self, rid: str, rd: _Read) -> None:
+        """The READ is DONE. Staging: the data is in the mirror; copy it into the KV cache before reporting."""
+        stager = self.ctx.stager
+        if stager is None or rd.cancelled:
+            self._end(rid, rd, None)
+            return
+        rd.state = "staging"
+        if stager.delay_in_s > 0:  # test hook
+            self.ctx.thread.call_at(time.monotonic() + stager.delay_in_s, lambda: self._stage_in(rid, rd))
+        else:
+            self._stage_in(rid, rd)
+
+    def _stage_in(self, rid: str, rd: _Read) -> None:
+        if self.reads.get(rid) is not rd:
+            return  # cancelled meanwhile (reported already)
+        assert self.ctx.stager is not None
+        try:
+            self.ctx.stager.stage_in(rd.task.block_ids, rd.task.start_token, rd.task.num_tokens)
+        except Exception as e:  # noqa: BLE001 - a failed copy fails this recv, not the thread
+            self._end(rid, rd, f"copy from the host staging buffer failed: {e}")
+            return
+        self._end(rid, rd, None)
 
     def _end(self, rid: str, rd: _Read, error: str | None) -> None:
         """The recv is over and its blocks are safe: report it once, then free P's blocks."""
@@ -237,7 +262,7 @@ class PullCore:
                 self.ctx.peers.forget(rd.peer)
 
     def _timeout(self, rid: str, rd: _Read) -> None:
-        if self.reads.get(rid) is not rd:
+        if self.reads.get(rid) is not rd or rd.state == "staging":
             return
         timeout = self.ctx.cfg.recv_timeout_s
         if rd.state == "handshake":
@@ -252,7 +277,7 @@ class PullCore:
         if rd is None:
             return  # already reported (finished or failed): the engine frees the blocks on that result
         rd.cancelled = True
-        if rd.state == "handshake":
+        if rd.state in ("handshake", "staging"):  # staging: the data is in the mirror, nothing more lands
             self._end(rid, rd, None)
 
 

@@ -63,7 +63,7 @@ class PushParams:
 class _Wait:
     task: RecvTask
     remote: PushParams
-    state: str = "handshake"  # handshake -> (delayed) -> registered -> (cancelling)
+    state: str = "handshake"  # handshake -> (delayed) -> registered -> (cancelling) -> (staging: copy-in pending)
     peer: Peer | None = None
     done_ranks: set[int] = field(default_factory=set)  # producers whose data landed
     over_ranks: set[int] = field(default_factory=set)  # producers that will write nothing (more)
@@ -170,15 +170,42 @@ class RecvSide:
 
     def _maybe_over(self, rid: str, w: _Wait) -> None:
         n = w.remote.num_producers
+        if w.state == "staging":
+            return  # over already: the copy-in ends it
         if len(w.done_ranks) >= n and not w.over_ranks:
-            kind = "cancelled" if w.cancel_why == "abort" else "finished"
-            self._end(rid, w, kind, "")
+            if w.cancel_why == "abort":
+                self._end(rid, w, "cancelled", "")
+            else:
+                self._landed(rid, w)
         elif len(w.done_ranks | w.over_ranks) >= n:
             self._end(rid, w, "cancelled" if w.cancel_why == "abort" else "failed", w.fail_reason)
 
+    def _landed(self, rid: str, w: _Wait) -> None:
+        """Every producer's data landed. Staging: it is in the mirror; copy it into the KV cache first."""
+        stager = self.ctx.stager
+        if stager is None:
+            self._end(rid, w, "finished", "")
+            return
+        w.state = "staging"  # a cancel now ends the recv at once: nothing more lands, the copy is skipped
+        if stager.delay_in_s > 0:  # test hook
+            self.ctx.thread.call_at(time.monotonic() + stager.delay_in_s, lambda: self._stage_in(rid, w))
+        else:
+            self._stage_in(rid, w)
+
+    def _stage_in(self, rid: str, w: _Wait) -> None:
+        if self.waits.get(rid) is not w:
+            return
+        assert self.ctx.stager is not None
+        try:
+            self.ctx.stager.stage_in(w.task.block_ids, w.task.start_token, w.task.num_tokens)
+        except Exception as e:  # noqa: BLE001 - a failed copy fails this recv, not the thread
+            self._end(rid, w, "failed", f"copy from the host staging buffer failed: {e}")
+            return
+        self._end(rid, w, "finished", "")
+
     # ---- timeouts and cancels ----------------------------------------------------------------------------------------
     def _timeout(self, rid: str, w: _Wait) -> None:
-        if self.waits.get(rid) is not w or w.state == "cancelling":
+        if self.waits.get(rid) is not w or w.state in ("cancelling", "staging"):
             return
         due = w.alive_at + self.ctx.cfg.recv_timeout_s
         if time.monotonic() < due:  # P said since that it is working on the prefill

@@ -250,8 +250,10 @@ class SendSide:
             if msg.num_tokens == 0:
                 self.ctx.agent.send_notif(peer.agent_name, done)
             else:
-                r.xfer = self.ctx.agent.post("WRITE", local, remote, peer.agent_name, done)
-        except AgentError as e:
+                if self.ctx.stager is not None:  # KV cache -> host mirror, exactly the blocks this WRITE reads
+                    self.ctx.stager.stage_out(send.block_ids, msg.start_token, msg.num_tokens)
+                r.xfer = self.ctx.agent.post("WRITE", local, remote, peer.agent_name, done, peer.info.memory)
+        except (AgentError, RuntimeError) as e:
             if isinstance(e, PeerGone):
                 self.ctx.peers.forget(peer)
             self._write_over(r, "failed", f"WRITE to {peer.engine_id} not posted: {e}")

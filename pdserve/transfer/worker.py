@@ -23,6 +23,7 @@ from pdserve.transfer.handshake import SideChannel
 from pdserve.transfer.layout import BlockLayout
 from pdserve.transfer.peers import Peers
 from pdserve.transfer.results import ResultSink
+from pdserve.transfer.staging import Stager, make_stager
 from pdserve.transfer.wire import (
     WIRE_VERSION,
     HandshakeReply,
@@ -55,6 +56,7 @@ class TransferContext:
     thread: TransferThread
     sink: ResultSink
     peers: Peers
+    stager: Stager | None = None  # kv_buffer_device "cpu" with a CUDA cache: NIXL moves a host mirror (staging.py)
 
 
 class ModeCore(Protocol):
@@ -129,10 +131,13 @@ class NixlWorker(ConnectorWorker):
 
     def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
         name = f"{self.cfg.engine_id}-r{spec.tp_rank}-{uuid.uuid4().hex[:8]}"
+        stager = make_stager(self.cfg.kv_buffer_device, kv_cache)
+        if stager is not None:  # NIXL, the layout and the handshake see the mirror, never the cache itself
+            kv_cache, spec = stager.mirror, stager.spec(spec)
         agent = NixlAgent(name, kv_cache, spec)
         ctx = TransferContext(
             self.cfg, spec, BlockLayout.from_spec(spec), agent, local_peer_info(self.cfg, spec, agent),
-            self.side, self.thread, self.sink, None,  # type: ignore[arg-type]
+            self.side, self.thread, self.sink, None, stager,  # type: ignore[arg-type]
         )  # fmt: skip
         ctx.peers = Peers(ctx)
         self.ctx = ctx
@@ -156,6 +161,15 @@ class NixlWorker(ConnectorWorker):
         core = self._core
         if core is None:
             raise RuntimeError("start() must come before submit()")
+        stager = self.ctx.stager if self.ctx is not None else None
+        if stager is not None and meta.sends:
+            if self.cfg.mode == "pull":
+                # D READs as soon as it has P's response, which the engine returns only after this call:
+                # the blocks must be in the mirror (copy done) before submit() returns (staging.py).
+                for send in meta.sends:
+                    stager.stage_out(send.block_ids, 0, send.num_tokens, engine_thread=True)
+            else:  # push: the transfer thread copies just before its WRITE, after this point of the stream
+                stager.mark_ready()
         self.thread.post(lambda: core.on_step(meta, time.monotonic()))
 
     def poll_results(self) -> TransferResults:

@@ -37,9 +37,11 @@ def _context() -> Any:
 
 
 def _child(
-    conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: int, fill: str, model: str, dims: tuple
-) -> None:
+    conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: int, fill: str, model: str, dims: tuple,
+    env: dict[str, str], device: str,
+) -> None:  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(env)
     import logging
 
     import torch
@@ -57,8 +59,11 @@ def _child(
         kv = (torch.arange(int(np.prod(kv_shape)), dtype=torch.float32) + 1.0).reshape(kv_shape)
     else:
         kv = torch.full(kv_shape, -1.0)
+    kv = kv.to(device)
     layers, heads, head_dim = dims
-    spec = KVCacheSpec(kv.data_ptr(), layers, num_blocks, block_size, heads, head_dim, 4, "DRAM", 0, model, "float32")
+    memory, dev_id = ("VRAM", kv.device.index or 0) if kv.is_cuda else ("DRAM", 0)
+    spec = KVCacheSpec(kv.data_ptr(), layers, num_blocks, block_size, heads, head_dim, 4, memory, dev_id, model,
+                       "float32")  # fmt: skip
     worker.register_kv_cache(kv, spec)
     worker.start(lambda: None)
     results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "cancelled_recvs": [],
@@ -85,9 +90,12 @@ def _child(
             elif cmd == "results":
                 reply = {k: list(v) for k, v in results.items()}
             elif cmd == "kv":
-                reply = kv.numpy().copy()
+                reply = kv.cpu().numpy().copy()
             elif cmd == "stats":
                 reply = asdict(worker.stats())
+            meta = sched.build_step_meta()  # like the engine: a step's outputs leave after its submit()
+            if meta:
+                worker.submit(meta)
             conn.send(("ok", reply))
         meta = sched.build_step_meta()
         if meta:
@@ -101,14 +109,17 @@ class Instance:
     """A connector pair in a child process."""
 
     def __init__(self, role: str, mode: str, block_size: int = 4, num_blocks: int = 16, model: str = "tiny",
-                 dims: tuple[int, int, int] = (NUM_LAYERS, NUM_HEADS, HEAD_DIM), **cfg: Any) -> None:  # fmt: skip
+                 dims: tuple[int, int, int] = (NUM_LAYERS, NUM_HEADS, HEAD_DIM), env: dict[str, str] | None = None,
+                 device: str = "cpu", **cfg: Any) -> None:  # fmt: skip
         self.block_size, self.num_blocks = block_size, num_blocks
         ctx = _context()
         self.conn, child = ctx.Pipe()
         kwargs = dict(role=role, mode=mode, side_channel_port=0, engine_id=f"{role}-{os.getpid()}-{id(self)}", **cfg)
         fill = "values" if role == "prefill" else "empty"
         self.proc = ctx.Process(
-            target=_child, args=(child, kwargs, block_size, num_blocks, fill, model, dims), daemon=True
+            target=_child,
+            args=(child, kwargs, block_size, num_blocks, fill, model, dims, env or {}, device),
+            daemon=True,
         )
         self.proc.start()
         self.info: dict[str, Any] | None = None
