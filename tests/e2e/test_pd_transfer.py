@@ -308,15 +308,18 @@ def test_malformed_kv_transfer_params_fail_cleanly(cl: Cluster) -> None:
 # ---- a client that leaves while P is still busy ---------------------------------------------------------------------
 @pytest.fixture
 def busy_prefill() -> Iterator[Any]:
-    """Starts a long plain request on a one-request-at-a-time P, so a routed prefill waits in P's queue."""
+    """Keeps a one-request-at-a-time P busy with BUSY_REQUESTS long plain requests (~250 decode steps each,
+    one running, the rest queued), so a routed prefill waits in P's queue for seconds even on a fast idle
+    machine (one request alone lasted under a second on an idle CI machine: the window was too short)."""
     threads: list[threading.Thread] = []
     results: list[httpx.Response] = []
 
     def start(p: Proc) -> None:
-        body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}  # ~250 decode steps
-        t = threading.Thread(target=lambda: results.append(post(p.url, "/v1/completions", body)))
-        t.start()
-        threads.append(t)
+        body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}
+        for _ in range(BUSY_REQUESTS):
+            t = threading.Thread(target=lambda: results.append(post(p.url, "/v1/completions", body)))
+            t.start()
+            threads.append(t)
         deadline = time.monotonic() + 30
         while scrape_metrics(p.url)["pdserve_requests_running"] < 1:
             assert time.monotonic() < deadline
@@ -324,8 +327,17 @@ def busy_prefill() -> Iterator[Any]:
 
     yield start
     for t in threads:
-        t.join(120)
-    assert all(r.status_code == 200 for r in results)  # the other request was not disturbed
+        t.join(300)
+    assert len(results) == len(threads) and all(r.status_code == 200 for r in results)  # undisturbed
+
+
+BUSY_REQUESTS = 4
+
+
+def _seen(proc: Proc, request_id: str) -> bool:
+    """The instance has the request (queued, waiting for KV or running): it is in its /timeline."""
+    entries = httpx.get(proc.url + "/timeline", timeout=10).json()
+    return any(e["request_id"] == request_id for e in entries)
 
 
 def _raw_post(port: int, body: dict[str, Any], request_id: str) -> socket.socket:
@@ -348,9 +360,9 @@ def test_disconnect_while_prefill_queued_aborts_both_legs(cl: Cluster, busy_pref
     s = _raw_post(router.port, {"prompt": PROMPT, **GREEDY}, rid)
     try:
         deadline = time.monotonic() + 30
-        while scrape_metrics(p.url)["pdserve_requests_waiting"] < 1 or (
+        while not _seen(p, rid) or (
             mode == "push" and scrape_metrics(d.url)["pdserve_requests_waiting_for_kv"] < 1
-        ):  # P queued it behind the long request; in push mode D has its blocks and waits for them to be written
+        ):  # P queued it behind the long requests; in push mode D has its blocks and waits for them to be written
             assert time.monotonic() < deadline
             time.sleep(0.02)
     finally:
