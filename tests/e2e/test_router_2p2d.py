@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import REPO_ROOT, Launcher, post, wait_idle
+from helpers import Launcher, post, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -16,10 +16,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_t
 PROMPTS = [f"Request number {i}: " + "abcdefgh"[: i + 1] * (3 * i + 1) for i in range(8)]
 
 
-@pytest.mark.parametrize("mode", ["push"])  # pull runs the same router code; 5 processes cost ~40 s here
+@pytest.mark.parametrize("mode", ["push", "pull"])  # 5 processes each: ~40 s per mode on 2 cores
 def test_2p2d_equal_colocated(fresh_launcher: Launcher, tiny_llama: Path, mode: str) -> None:
-    if mode == "push" and not (REPO_ROOT / "pdserve/transfer/push.py").exists():
-        pytest.skip("push-mode transfer is not in this tree yet")
     launch = fresh_launcher
     common = ["--kv-transfer", mode, "--num-gpu-blocks", "64"]
     reference = launch.serve(tiny_llama, "--num-gpu-blocks", "64", name="reference")
