@@ -87,7 +87,8 @@ def paged_attention(
         from pdserve.model.cuda_attention import paged_attention_cuda
 
         return paged_attention_cuda(q, k, v, layer_cache, ctx, scale)
-    out = torch.empty_like(q)
+    all_decode = ctx.decode is not None and ctx.decode.rows_are_all
+    out = q if all_decode else torch.empty_like(q)  # an all-decode step returns the decode output directly
     num_heads, num_kv_heads = q.shape[1], layer_cache.shape[3]
     group = num_heads // num_kv_heads
     k_cache, v_cache = layer_cache[0], layer_cache[1]
