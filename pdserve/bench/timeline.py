@@ -1,8 +1,9 @@
 """Per-request timelines from the servers' timestamps, joined across P and D and drawn as a Gantt chart.
 
-Each server's `GET /timeline` returns a JSON list of {"request_id", "role": "prefill"|"decode"|"both",
-"events": {name: unix_time}}; the event names are EVENT_NAMES. The router sends one X-Request-Id on both
-legs, so a request's prefill and decode entries share an id (up to an OpenAI "cmpl-" style prefix).
+Each server's `GET /timeline` returns a JSON list of {"request_id", "client_request_id", "role":
+"prefill"|"decode"|"both", "events": {name: unix_time}}; the event names are EVENT_NAMES. `request_id` is the
+server's own; the router sends one X-Request-Id on both legs, which each server records as
+`client_request_id`, so a request's prefill and decode entries share that id (up to a "cmpl-" style prefix).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def join(prefill_entries: list[dict], decode_entries: list[dict]) -> list[Reques
     by_id: dict[str, RequestTimeline] = {}
     for entries, default_role in ((prefill_entries, "prefill"), (decode_entries, "decode")):
         for entry in entries:
-            key = normalize_id(str(entry.get("request_id", "")))
+            key = normalize_id(str(entry.get("client_request_id") or entry.get("request_id", "")))
             tl = by_id.setdefault(key, RequestTimeline(key))
             role = entry.get("role", default_role)
             if role in ("prefill", "both"):

@@ -10,78 +10,83 @@ Chosen over a separate engine process: see docs/architecture.md ("Engine loop pl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import EngineConfig
+from pdserve.engine.client import AbortRequest, AddRequest, EngineCommand, EngineInfo, EngineStats
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
+from pdserve.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 1.0  # nothing to do at all: wake up at least this often
 TRANSFER_WAIT_S = 0.05  # only transfers pending: a safety net; the transfer thread calls wakeup() on results
-
-
-@dataclass
-class EngineStats:
-    num_blocks_total: int
-    num_blocks_free: int
-    num_running: int
-    num_waiting: int
-    num_waiting_for_kv: int
-    kv_sent_bytes: int
-    kv_received_bytes: int
-    transfers_ok: int
-    transfers_failed: int
-    transfers_expired: int
-    num_engine_steps: int = 0  # LLMEngine.step() calls so far
-    transfer_hook_seconds: float = 0.0  # engine-thread seconds spent in the connector hooks so far
-    ttft_seconds: list[float] = field(default_factory=list)  # drained since the last call
-    transfer_seconds: list[float] = field(default_factory=list)  # drained since the last call
+STATS_EVERY_S = 0.1  # the engine thread republishes its stats snapshot at least this often while busy
 
 
 class AsyncEngine:
+    """Implements `pdserve.engine.client.EngineClient`. The event loop talks to the engine thread only through
+    the command inbox (AddRequest / AbortRequest) and reads only what the engine thread published (EngineInfo
+    at start, the EngineStats snapshot, outputs handed over with call_soon_threadsafe)."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._engine: LLMEngine | None = None
-        self._inbox: deque[tuple[str, Any]] = deque()  # ("add", args) | ("abort", request_id)
+        self._engine: LLMEngine | None = None  # touched by the engine thread only, once started
+        self._info: EngineInfo | None = None
+        self._inbox: deque[EngineCommand] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
-        self.error: str | None = None  # set if the engine loop died
+        self._stats: EngineStats | None = None  # the latest snapshot the engine thread published
+        self._stats_at = 0.0  # time.monotonic() of that snapshot
+        self._error: str | None = None  # set if the engine loop died
 
     # ---- life cycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
         """Load the model and start the engine loop (blocking; seconds)."""
-        self._engine = LLMEngine(self.config, wakeup=self._wake.set)
+        engine = LLMEngine(self.config, wakeup=self._wake.set)
+        self._engine = engine
+        self._info = EngineInfo(
+            model_name=engine.model_name,
+            model_path=self.config.model.model,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            num_blocks=engine.num_blocks,
+            kv_transfer_info=engine.kv_scheduler.info(),  # before the loop starts: fixed from now on
+        )
+        self._publish_stats(engine)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
     @property
     def is_ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._thread is not None and self._thread.is_alive() and self._error is None
 
     @property
-    def engine(self) -> LLMEngine:
-        if self._engine is None:
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
             raise RuntimeError("engine not started")
-        return self._engine
+        return self._info
 
     @property
-    def model_name(self) -> str:
-        return self.engine.model_name
+    def model_path(self) -> str:
+        return self.config.model.model
 
     @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def tokenizer(self) -> Tokenizer | None:
+        return None if self._engine is None else self._engine.tokenizer
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -91,24 +96,19 @@ class AsyncEngine:
         if self._engine is not None:
             self._engine.shutdown()
 
-    # ---- requests -------------------------------------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    # ---- requests (event loop) --------------------------------------------------------------------------------
+    async def generate(self, command: AddRequest) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last has finished=True. Raises ValueError for bad input.
         Closing the generator early (client gone) aborts the request."""
-        if not self.is_ready:
-            raise RuntimeError(self.error or "engine is not ready")
-        self.engine.validate(prompt_token_ids, params)
+        if not self.is_ready or self._engine is None:
+            raise RuntimeError(self._error or "engine is not ready")
+        self._engine.validate(list(command.prompt_token_ids), command.params)  # reads only fixed limits
+        request_id = command.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._inbox.append(("add", (request_id, prompt_token_ids, params, kv_transfer_params)))
+        self._inbox.append(command)
         self._wake.set()
         finished = False
         try:
@@ -124,36 +124,51 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.append(("abort", request_id))
+        self._inbox.append(AbortRequest(request_id))
         self._wake.set()
 
     # ---- the loop (engine thread) -----------------------------------------------------------------------------
     def _loop(self) -> None:
-        engine = self.engine
+        engine = self._engine
+        assert engine is not None
         try:
             while not self._stop.is_set():
                 self._drain_inbox(engine)
                 if engine.has_work() or engine.has_transfers():
                     self._dispatch(engine.step())
-                if not engine.has_work() and not self._inbox:
+                idle = not engine.has_work() and not self._inbox
+                if idle or time.monotonic() - self._stats_at >= STATS_EVERY_S:
+                    self._publish_stats(engine)
+                if idle:
                     self._wake.wait(TRANSFER_WAIT_S if engine.has_transfers() else IDLE_WAIT_S)
                     self._wake.clear()
         except Exception as e:  # the engine is broken: fail every open request, report unhealthy
-            self.error = f"engine loop died: {type(e).__name__}: {e}"
+            self._error = f"engine loop died: {type(e).__name__}: {e}"
+            log.exception("engine loop died")
             for loop, queue in list(self._streams.values()):
-                loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(self.error))
+                loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(self._error))
             raise
 
     def _drain_inbox(self, engine: LLMEngine) -> None:
         while self._inbox:
-            kind, arg = self._inbox.popleft()
-            if kind == "add":
-                try:
-                    engine.add_request(*arg)
-                except ValueError as e:
-                    self._send(arg[0], e)
-            elif (out := engine.abort(arg)) is not None:
-                self._send(arg, out)
+            command = self._inbox.popleft()
+            if isinstance(command, AbortRequest):
+                if (out := engine.abort(command.request_id)) is not None:
+                    self._send(command.request_id, out)
+                continue
+            try:
+                engine.add_request(
+                    command.request_id,
+                    list(command.prompt_token_ids),
+                    command.params,
+                    command.kv_transfer_params,
+                    command.client_request_id,
+                )
+            except ValueError as e:
+                self._send(command.request_id, e)
+            except Exception as e:  # a request the engine cannot take fails alone, never the loop
+                log.exception("request %s could not be added", command.request_id)
+                self._send(command.request_id, RuntimeError(f"engine error: {type(e).__name__}: {e}"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -165,31 +180,21 @@ class AsyncEngine:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    def _publish_stats(self, engine: LLMEngine) -> None:
+        self._stats = engine.stats()  # one reference assignment: readers see the old or the new snapshot
+        self._stats_at = time.monotonic()
+
     # ---- introspection (any thread) ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        e = self.engine
-        s = e.scheduler
-        t = e.kv_worker.stats()
+        """The latest snapshot, plus the TTFT and transfer-time observations made since the previous call."""
+        if self._stats is None or self._engine is None:
+            raise RuntimeError("engine not started")
+        e = self._engine
         ttft = [e.ttft_seconds.popleft() for _ in range(len(e.ttft_seconds))]  # deque pops are atomic
-        return EngineStats(
-            num_blocks_total=e.num_blocks,
-            num_blocks_free=e.pool.num_free,
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_waiting_for_kv=len(s.waiting_for_kv),
-            kv_sent_bytes=t.sent_bytes,
-            kv_received_bytes=t.received_bytes,
-            transfers_ok=t.transfers_ok,
-            transfers_failed=t.transfers_failed,
-            transfers_expired=t.transfers_expired,
-            num_engine_steps=e.num_steps,
-            transfer_hook_seconds=e.transfer_hook_seconds,
-            ttft_seconds=ttft,
-            transfer_seconds=list(t.transfer_seconds),
-        )
-
-    def kv_transfer_info(self) -> dict[str, Any]:
-        return self.engine.kv_scheduler.info()
+        xfer = [e.transfer_seconds.popleft() for _ in range(len(e.transfer_seconds))]
+        return dataclasses.replace(self._stats, ttft_seconds=ttft, transfer_seconds=xfer)
 
     def timelines(self) -> list[dict[str, Any]]:
-        return self.engine.timelines()
+        if self._engine is None:
+            return []
+        return self._engine.timelines()

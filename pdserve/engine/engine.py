@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -11,15 +12,18 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.client import EngineStats
 from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_spec, num_blocks_for
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.runner import Worker
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.text import TextTracker
 from pdserve.model.loader import load_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
+
+log = logging.getLogger(__name__)
 
 MAX_TIMELINES = 2000  # finished requests whose timestamps GET /timeline can still show
 
@@ -47,7 +51,9 @@ class LLMEngine:
         self._text: dict[str, TextTracker] = {}
         self._timelines: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.ttft_seconds: deque[float] = deque()  # new observations; popped (thread-safe) by the metrics reader
+        self.transfer_seconds: deque[float] = deque()  # likewise, moved here from the connector by stats()
         self.num_steps = 0  # step() calls so far
+        self.num_step_failures = 0  # steps whose forward pass raised (their requests failed)
         self.transfer_hook_seconds = 0.0  # engine-thread time spent in the connector hooks (cumulative)
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -70,6 +76,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
+        client_request_id: str | None = None,
     ) -> None:
         self.validate(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
@@ -78,6 +85,7 @@ class LLMEngine:
         req.mark("arrival")
         self._timelines[request_id] = {
             "request_id": request_id,
+            "client_request_id": client_request_id,
             "role": self.config.transfer.role,
             "events": req.timeline,
         }
@@ -107,10 +115,25 @@ class LLMEngine:
         self._submit_transfers()  # D: registrations/reads for requests parked just now
         for c in batch.chunks:
             self.scheduler.requests[c.request_id].mark("prefill_start")
-        sampled = self.worker.execute(batch.chunks) if batch.chunks else {}
+        try:
+            sampled = self.worker.execute(batch.chunks) if batch.chunks else {}
+        except Exception as e:  # a failed forward pass fails the requests in it, never the loop
+            return outputs + self._fail_batch(batch, e)
         stopped = self.scheduler.update(batch, sampled)
         outputs += self._postprocess(sampled, stopped)
         self._submit_transfers()  # P: finished prefills ready to be sent
+        return outputs
+
+    def _fail_batch(self, batch: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        self.num_step_failures += 1
+        log.exception("engine step failed; failing its %d requests", len(batch.chunks), exc_info=error)
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        outputs = []
+        for c in batch.chunks:
+            req = self.scheduler.requests.get(c.request_id)
+            if req is not None and not req.is_finished:
+                outputs.append(self._finish(req, "error", message))
+        self._submit_transfers()
         return outputs
 
     def _submit_transfers(self) -> None:
@@ -166,8 +189,8 @@ class LLMEngine:
         outputs += [self._output(self.scheduler.requests[rid]) for rid in sampled if rid in self.scheduler.requests]
         return outputs
 
-    def _finish(self, req: Request, reason: str) -> RequestOutput:
-        params = self.scheduler.finish(req, reason)
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        params = self.scheduler.finish(req, reason, error)
         req.mark("finished")
         out = self._output(req)
         out.kv_transfer_params = params
@@ -192,6 +215,27 @@ class LLMEngine:
         )
 
     # ---- introspection --------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of this engine (engine thread only: it reads the scheduler and drains the connector)."""
+        s = self.scheduler
+        t = self.kv_worker.stats()
+        self.transfer_seconds.extend(t.transfer_seconds)
+        return EngineStats(
+            num_blocks_total=self.num_blocks,
+            num_blocks_free=self.pool.num_free,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.waiting_for_kv),
+            kv_sent_bytes=t.sent_bytes,
+            kv_received_bytes=t.received_bytes,
+            transfers_ok=t.transfers_ok,
+            transfers_failed=t.transfers_failed,
+            transfers_expired=t.transfers_expired,
+            num_engine_steps=self.num_steps,
+            transfer_hook_seconds=self.transfer_hook_seconds,
+            num_step_failures=self.num_step_failures,
+        )
+
     def timelines(self) -> list[dict[str, Any]]:
         """A copy of recent timelines; safe to call from another thread (retries if the engine mutated them)."""
         for _ in range(10):

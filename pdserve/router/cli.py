@@ -27,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds for a backend's /health or /kv_transfer/info to answer (default 5)",
     )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=32.0,
+        help="refuse request bodies larger than this many MiB with HTTP 413 (default 32)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
@@ -46,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             policy=args.policy,
             connect_timeout_s=args.connect_timeout_s,
             health_timeout_s=args.health_timeout_s,
+            max_body_bytes=int(args.max_body_mb * 2**20),
         )
     except ValueError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)

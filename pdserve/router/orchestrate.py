@@ -28,11 +28,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.policy import Lease, Pool
 from pdserve.router.upstream import LegError, get_json, open_stream, post_json
-from pdserve.server.disconnect import ClientDisconnected, race_disconnect, until_disconnect
-from pdserve.server.protocol import ErrorResponse
+from pdserve.web import REQUEST_ID_HEADER, ClientDisconnected, error_body, race_disconnect, until_disconnect
 
 log = logging.getLogger(__name__)
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 @dataclass
@@ -68,7 +66,7 @@ def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> di
 
 
 def _error_event(message: str) -> bytes:
-    return f"data: {json.dumps(ErrorResponse.of(502, message).model_dump())}\n\ndata: [DONE]\n\n".encode()
+    return f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
 
 
 class Orchestrator:

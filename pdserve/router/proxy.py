@@ -20,11 +20,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.router.orchestrate import REQUEST_ID_HEADER, Call, Orchestrator
+from pdserve.router.orchestrate import Call, Orchestrator
 from pdserve.router.policy import POLICIES, Pool
 from pdserve.router.upstream import LegError, get_json, make_session
-from pdserve.server.disconnect import ClientDisconnected
-from pdserve.server.protocol import ErrorResponse
+from pdserve.web import (
+    DEFAULT_MAX_BODY_BYTES,
+    REQUEST_ID_HEADER,
+    BodySizeLimit,
+    ClientDisconnected,
+    client_request_id,
+    error_response,
+)
 
 log = logging.getLogger("pdserve.router")
 
@@ -37,6 +43,7 @@ class RouterConfig:
     policy: str = "least-loaded"  # or "round-robin"
     connect_timeout_s: float = 10.0  # to open a connection to a backend
     health_timeout_s: float = 5.0  # for each backend's /health and P's /kv_transfer/info
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are refused with 413
 
     def __post_init__(self) -> None:
         if self.mode not in ("pull", "push"):
@@ -48,10 +55,6 @@ class RouterConfig:
         for url in self.prefill_urls + self.decode_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend URL {url!r} must start with http:// or https://")
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(ErrorResponse.of(status, message).model_dump(), status_code=status)
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -69,21 +72,22 @@ def build_app(config: RouterConfig) -> FastAPI:
             await session.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _error(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail))
 
     async def relay(path: str, request: Request) -> Response:
         orchestrator = holder["orchestrator"]
         started = time.perf_counter()
         try:
             body = json.loads(await request.body())
-        except ValueError as e:
-            return _error(400, f"invalid request: body is not JSON: {e}")
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json can parse
+            return error_response(400, f"invalid request: body is not JSON: {type(e).__name__}: {e}")
         if not isinstance(body, dict):
-            return _error(400, "invalid request: body must be a JSON object")
-        call = Call(path, body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex, request)
+            return error_response(400, "invalid request: body must be a JSON object")
+        call = Call(path, body, client_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex, request)
         status = 200
         try:
             return await orchestrator.handle(call)
@@ -123,7 +127,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         )
         failures = [str(r) for r in results if isinstance(r, BaseException)]
         if failures:
-            return _error(503, "unhealthy backends: " + "; ".join(failures))
+            return error_response(503, "unhealthy backends: " + "; ".join(failures))
         return JSONResponse({"status": "ok", "prefill": list(config.prefill_urls), "decode": list(config.decode_urls)})
 
     @app.get("/v1/models")

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.server.protocol import ErrorResponse
+from pdserve.web import error_body
 
 
 class LegError(Exception):
@@ -23,7 +23,7 @@ class LegError(Exception):
         self.leg = leg  # "prefill" | "decode"
         self.url = url
         self.status = status
-        self.body = body if body is not None else ErrorResponse.of(status, message).model_dump()
+        self.body = body if body is not None else error_body(status, message)
 
 
 def make_session(connect_timeout_s: float) -> aiohttp.ClientSession:
@@ -49,7 +49,7 @@ async def _fail_from_response(leg: str, url: str, resp: aiohttp.ClientResponse) 
         payload = None
     message = _error_message(payload, text)
     if 400 <= resp.status < 500:  # the backend refused the request itself: pass its answer through
-        body = payload if isinstance(payload, dict) else ErrorResponse.of(resp.status, message).model_dump()
+        body = payload if isinstance(payload, dict) else error_body(resp.status, message)
         return LegError(leg, url, message, status=resp.status, body=body)
     return LegError(leg, url, f"{leg} leg to {url} failed with HTTP {resp.status}: {message}")
 

@@ -16,7 +16,6 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,8 +25,8 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.engine.client import AddRequest, EngineClient
 from pdserve.server import metrics
-from pdserve.server.disconnect import ClientDisconnected
 from pdserve.server.prepare import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     chat_prompt_ids,
@@ -39,20 +38,22 @@ from pdserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
     ModelCard,
     ModelList,
     SamplingFields,
 )
 from pdserve.server.render import Kind, Renderer
 from pdserve.server.streams import RequestRun
+from pdserve.web import (
+    DEFAULT_MAX_BODY_BYTES,
+    REQUEST_ID_HEADER,
+    BodySizeLimit,
+    ClientDisconnected,
+    client_request_id,
+    error_response,
+)
 
 log = logging.getLogger(__name__)
-REQUEST_ID_HEADER = "X-Request-Id"
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(ErrorResponse.of(status, message).model_dump(), status_code=status)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -70,24 +71,27 @@ class ServerState:
     """What the routes share: the engine, its start thread, the names it is served under, in-flight ids."""
 
     def __init__(
-        self, engine: Any, served_model_names: list[str] | None, on_start_failure: Callable[[BaseException], None]
+        self,
+        engine: EngineClient,
+        served_model_names: list[str] | None,
+        on_start_failure: Callable[[BaseException], None],
     ) -> None:
         self.engine = engine
         self._served_model_names = served_model_names
         self.on_start_failure = on_start_failure
         self.start_error: BaseException | None = None
         self.start_thread: threading.Thread | None = None
-        self.inflight_ids: set[str] = set()  # engine request ids of requests being answered
 
     @property
     def model_names(self) -> list[str]:
-        return self._served_model_names or [self.engine.model_name]
+        return self._served_model_names or [self.engine.info.model_name]
 
     def start_engine(self) -> None:
         """Body of the engine-start thread."""
         try:
             self.engine.start()
-            log.info("engine ready: model %s, max_model_len %d", self.engine.model_name, self.engine.max_model_len)
+            info = self.engine.info
+            log.info("engine ready: model %s, max_model_len %d", info.model_name, info.max_model_len)
         except BaseException as e:
             self.start_error = e
             log.exception("engine failed to start")
@@ -97,7 +101,7 @@ class ServerState:
         if self.start_error is not None:
             raise ApiError(503, f"engine failed to start: {self.start_error}")
         if not self.engine.is_ready:
-            if getattr(self.engine, "error", None):  # the engine loop died after it was ready
+            if self.engine.error:  # the engine loop died after it was ready
                 raise ApiError(503, f"engine failed: {self.engine.error}")
             raise ApiError(503, "engine is loading the model; retry when /health answers 200")
 
@@ -107,19 +111,18 @@ class ServerState:
             raise ApiError(404, f"the model `{requested}` does not exist; this server serves {names}")
         return requested or names[0]
 
-    def new_request_id(self, header: str | None) -> str:
-        """The client's X-Request-Id if given and not in flight here, else a fresh one."""
-        request_id = header or uuid.uuid4().hex
-        if request_id in self.inflight_ids:
-            request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        self.inflight_ids.add(request_id)
-        return request_id
+    @staticmethod
+    def new_request_id() -> str:
+        """The engine's id for a new request: always the server's own (a client's X-Request-Id is logged and
+        echoed, never a key: a client retry must not collide with its first attempt's pinned KV)."""
+        return f"req-{uuid.uuid4().hex}"
 
 
 def build_app(
-    engine: Any,
+    engine: EngineClient,
     served_model_names: list[str] | None = None,
     on_start_failure: Callable[[BaseException], None] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app serving `engine` (an AsyncEngine, not started yet). `on_start_failure` is called from the
     engine-start thread if the model fails to load (the CLI uses it to stop the server)."""
@@ -137,6 +140,7 @@ def build_app(
             await asyncio.to_thread(state.start_thread.join, 30)
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.state.pdserve = state
 
     @app.exception_handler(ApiError)
@@ -170,8 +174,8 @@ def build_app(
     async def models() -> Response:
         if not served_model_names:
             state.check_ready()  # the model's own name is known once it is loaded
-        max_len = engine.max_model_len if engine.is_ready else None
-        root = engine.config.model.model
+        max_len = engine.info.max_model_len if engine.is_ready else None
+        root = engine.model_path
         cards = [ModelCard(id=name, root=root, max_model_len=max_len) for name in state.model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -183,7 +187,7 @@ def build_app(
     @app.get("/kv_transfer/info")
     async def kv_transfer_info() -> Response:
         state.check_ready()
-        return JSONResponse(engine.kv_transfer_info())
+        return JSONResponse(engine.info.kv_transfer_info)
 
     @app.get("/timeline")
     async def timeline() -> Response:
@@ -195,7 +199,7 @@ def build_app(
         state.check_ready()
         model = state.resolve_model(body.model)
         check_supported(body)
-        prompt_ids = completion_prompt_ids(body, engine.tokenizer)
+        prompt_ids = await run_in_threadpool(completion_prompt_ids, body, engine.tokenizer)  # off the event loop
         return await _answer(state, "completion", body, model, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS, request)
 
     @app.post("/v1/chat/completions")
@@ -203,7 +207,7 @@ def build_app(
         state.check_ready()
         model = state.resolve_model(body.model)
         check_supported(body)
-        prompt_ids = chat_prompt_ids(body, engine.tokenizer)
+        prompt_ids = await run_in_threadpool(chat_prompt_ids, body, engine.tokenizer)  # templating: off the loop
         return await _answer(state, "chat", body, model, prompt_ids, None, request)
 
     return app
@@ -220,16 +224,16 @@ async def _answer(
 ) -> Response:
     """Run one request on the engine and answer it, streaming or not."""
     engine = state.engine
-    params = sampling_params(body, len(prompt_ids), engine.max_model_len, default_max_tokens)
-    request_id = state.new_request_id(request.headers.get(REQUEST_ID_HEADER))
+    params = sampling_params(body, len(prompt_ids), engine.info.max_model_len, default_max_tokens)
+    request_id = state.new_request_id()
+    client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+    command = AddRequest(request_id, tuple(prompt_ids), params, body.kv_transfer_params, client_id)
     try:
-        run = RequestRun(engine, request_id, prompt_ids, params, body.kv_transfer_params, request)
+        run = RequestRun(engine, command, request)
     except ValueError as e:  # the engine refused the input at once
-        state.inflight_ids.discard(request_id)
         raise ApiError(400, str(e)) from e
-    run.on_close = lambda: state.inflight_ids.discard(request_id)
     renderer = Renderer(kind, request_id, model, prompt_ids, body.return_token_ids, body.include_usage)
-    headers = {REQUEST_ID_HEADER: request_id}
+    headers = {REQUEST_ID_HEADER: client_id or request_id}
     handed_over = False  # True once a streaming response owns `run` (it closes it)
     try:
         first = await run.first()  # bad input surfaces here, before any byte of the answer is sent

@@ -35,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--served-model-name", nargs="+", default=None, help="name(s) clients use in `model` (default: MODEL)"
     )
+    g.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=32.0,
+        help="refuse request bodies larger than this many MiB with HTTP 413 (default 32)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
     g = p.add_argument_group("model")
@@ -182,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True  # read by uvicorn's main loop; safe from another thread
 
     engine = AsyncEngine(config)
-    app = build_app(engine, args.served_model_name, on_start_failure)
+    app = build_app(engine, args.served_model_name, on_start_failure, max_body_bytes=int(args.max_body_mb * 2**20))
     t = config.transfer
     log.info(
         "serving %s on http://%s:%d (kv role %s, transfer %s, engine id %s, %d torch threads)",

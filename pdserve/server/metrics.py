@@ -4,7 +4,7 @@ The names are a contract (tests, dashboards and the reliability work read them);
 gauges   pdserve_kv_blocks_total, pdserve_kv_blocks_free, pdserve_requests_running,
          pdserve_requests_waiting, pdserve_requests_waiting_for_kv
 counters pdserve_kv_sent_bytes_total, pdserve_kv_received_bytes_total, pdserve_kv_transfers_total{result},
-         pdserve_engine_steps_total, pdserve_engine_transfer_hook_seconds_total
+         pdserve_engine_steps_total, pdserve_engine_step_failures_total, pdserve_engine_transfer_hook_seconds_total
 histos   pdserve_time_to_first_token_seconds, pdserve_kv_transfer_seconds
 
 Each app gets its own CollectorRegistry (no process-global state, so several apps can live in one test
@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pdserve.engine.client import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ COUNTERS = (  # metric name without _total, EngineStats field, help
     ("pdserve_kv_sent_bytes", "kv_sent_bytes", "KV bytes this instance sent (pushed or had read by a peer)"),
     ("pdserve_kv_received_bytes", "kv_received_bytes", "KV bytes this instance received"),
     ("pdserve_engine_steps", "num_engine_steps", "Engine loop steps"),
+    ("pdserve_engine_step_failures", "num_step_failures", "Engine steps that raised (their requests failed)"),
     (
         "pdserve_engine_transfer_hook_seconds",
         "transfer_hook_seconds",
@@ -52,7 +54,7 @@ TRANSFER_RESULTS = (("ok", "transfers_ok"), ("failed", "transfers_failed"), ("ex
 class EngineCollector(Collector):
     """Collects the pdserve_* metrics from `stats_fn()` (an EngineStats) on every scrape."""
 
-    def __init__(self, stats_fn: Callable[[], Any]) -> None:
+    def __init__(self, stats_fn: Callable[[], EngineStats]) -> None:
         self._stats_fn = stats_fn
         self._lock = threading.Lock()  # scrapes may run concurrently in the thread pool
         self._ttft = Histogram(
@@ -85,7 +87,7 @@ class EngineCollector(Collector):
             yield from self._transfer.collect()
 
     @staticmethod
-    def _from_stats(stats: Any) -> Iterator[Metric]:
+    def _from_stats(stats: EngineStats) -> Iterator[Metric]:
         for name, field, help_text in GAUGES:
             yield GaugeMetricFamily(name, help_text, value=getattr(stats, field))
         for name, field, help_text in COUNTERS:
@@ -96,7 +98,7 @@ class EngineCollector(Collector):
         yield transfers
 
 
-def make_registry(stats_fn: Callable[[], Any]) -> CollectorRegistry:
+def make_registry(stats_fn: Callable[[], EngineStats]) -> CollectorRegistry:
     """A fresh registry holding the engine collector (one per app)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(stats_fn))

@@ -200,33 +200,9 @@ class ModelList(BaseModel):
 
 # --- errors ---------------------------------------------------------------------------------------------
 
-ERROR_TYPES = {  # HTTP status -> OpenAI error type
-    400: "invalid_request_error",
-    404: "not_found_error",
-    499: "client_closed_request",
-    500: "internal_server_error",
-    502: "bad_gateway",
-    503: "service_unavailable",
-}
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int  # the HTTP status
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-    @classmethod
-    def of(cls, status: int, message: str) -> ErrorResponse:
-        return cls(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "error"), code=status))
-
 
 class ApiError(Exception):
-    """Raised by request handling; the app turns it into `ErrorResponse.of(status, message)`."""
+    """Raised by request handling; the app turns it into `pdserve.web.error_response(status, message)`."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

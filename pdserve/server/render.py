@@ -17,11 +17,11 @@ from pdserve.server.protocol import (
     CompletionChunk,
     CompletionResponse,
     DeltaMessage,
-    ErrorResponse,
     PromptTokensDetails,
     Usage,
 )
 from pdserve.server.streams import RequestRun
+from pdserve.web import error_body
 
 Kind = Literal["completion", "chat"]
 DONE = "data: [DONE]\n\n"
@@ -119,7 +119,7 @@ class Renderer:
                     if out.finish_reason in ("error", "abort"):
                         run.status = 500
                         message = out.error or f"request {run.request_id} was aborted by the engine"
-                        yield sse(ErrorResponse.of(500, message).model_dump())
+                        yield sse(error_body(500, message))
                     else:
                         yield sse(self.chunk(delta, pending_ids, out.finish_reason, out.kv_transfer_params))
                         if self.include_usage:
@@ -132,12 +132,12 @@ class Renderer:
                     out = await anext(outputs, None)
                 except Exception as e:  # the engine broke mid-stream
                     run.status = 500
-                    yield sse(ErrorResponse.of(500, f"engine error: {e}").model_dump())
+                    yield sse(error_body(500, f"engine error: {e}"))
                     yield DONE
                     return
             if out is None:
                 run.status = 500
-                yield sse(ErrorResponse.of(500, "the engine ended the stream without finishing").model_dump())
+                yield sse(error_body(500, "the engine ended the stream without finishing"))
             yield DONE
         finally:
             await run.close()

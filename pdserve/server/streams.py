@@ -11,14 +11,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from starlette.requests import Request
 
+from pdserve.engine.client import AddRequest, EngineClient
 from pdserve.engine.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
-from pdserve.server.disconnect import ClientDisconnected, race_disconnect
 from pdserve.server.protocol import ApiError
+from pdserve.web import ClientDisconnected, race_disconnect
 
 log = logging.getLogger("pdserve.server.requests")
 
@@ -28,17 +27,15 @@ class RequestRun:
 
     def __init__(
         self,
-        engine: Any,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None,
+        engine: EngineClient,
+        command: AddRequest,
         http_request: Request,
     ) -> None:
         self.engine = engine
-        self.request_id = request_id
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self._gen = engine.generate(request_id, prompt_token_ids, params, kv_transfer_params)
+        self.request_id = command.request_id
+        self.client_request_id = command.client_request_id
+        self.num_prompt_tokens = len(command.prompt_token_ids)
+        self._gen = engine.generate(command)
         self._http = http_request
         self.last: RequestOutput | None = None  # the latest output seen
         self._arrival = time.perf_counter()
@@ -119,8 +116,9 @@ class RequestRun:
         out = self.last
         ttft = f"{self._first_at - self._arrival:.3f}s" if self._first_at is not None else "-"
         log.info(
-            "request %s status=%d prompt=%d cached=%d output=%d finish=%s ttft=%s latency=%.3fs",
+            "request %s client_id=%s status=%d prompt=%d cached=%d output=%d finish=%s ttft=%s latency=%.3fs",
             self.request_id,
+            self.client_request_id or "-",
             self.status,
             self.num_prompt_tokens,
             out.num_cached_tokens if out else 0,

@@ -244,7 +244,7 @@ def wait_log_status(proc: Proc, request_id: str, timeout_s: float = 10.0) -> str
     deadline = time.monotonic() + timeout_s
     while True:
         for line in proc.log_text().splitlines():
-            if f"request {request_id} status=" in line:
+            if f"request {request_id} " in line or f" client_id={request_id} " in line:
                 return line.split("status=")[1].split()[0]
         if time.monotonic() > deadline:
             return None

@@ -102,7 +102,7 @@ def error_message(resp: httpx.Response) -> str:
 
 def timeline(proc: Proc, request_id: str) -> dict[str, float]:
     entries = httpx.get(proc.url + "/timeline", timeout=10).json()
-    return next(e["events"] for e in entries if e["request_id"] == request_id)
+    return next(e["events"] for e in entries if e["client_request_id"] == request_id)
 
 
 def push_d_params(p: Proc, transfer_id: str) -> dict[str, Any]:
@@ -337,7 +337,7 @@ BUSY_REQUESTS = 4
 def _seen(proc: Proc, request_id: str) -> bool:
     """The instance has the request (queued, waiting for KV or running): it is in its /timeline."""
     entries = httpx.get(proc.url + "/timeline", timeout=10).json()
-    return any(e["request_id"] == request_id for e in entries)
+    return any(e["client_request_id"] == request_id for e in entries)
 
 
 def _raw_post(port: int, body: dict[str, Any], request_id: str) -> socket.socket:
@@ -371,7 +371,7 @@ def test_disconnect_while_prefill_queued_aborts_both_legs(cl: Cluster, busy_pref
     if mode == "push":
         assert wait_log_status(d, rid) == "499"  # and D its parked request
     else:
-        assert f"request {rid} " not in d.log_text()  # D never got a leg
+        assert f"client_id={rid} " not in d.log_text()  # D never got a leg
     assert_all_free(p, d)
 
 

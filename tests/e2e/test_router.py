@@ -135,7 +135,7 @@ def test_one_request_id_on_both_legs(pd: Deployment) -> None:
     assert resp.headers["x-request-id"] == request_id
     for proc in (pd.prefill, pd.decode):
         timeline = httpx.get(proc.url + "/timeline").json()
-        assert any(t["request_id"] == request_id for t in timeline), proc.name
+        assert any(t["client_request_id"] == request_id for t in timeline), proc.name
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -157,4 +157,4 @@ def test_push_prefill_failure_cancels_decode(
     assert time.monotonic() - started < 10  # not D's receive timeout
     m = wait_idle(push_decode.url)
     assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], m
-    assert f"request {request_id} status=499" in push_decode.log_text()  # D had the request and aborted it
+    assert f"client_id={request_id} status=499" in push_decode.log_text()  # D had the request and aborted it

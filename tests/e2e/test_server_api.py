@@ -68,7 +68,7 @@ def test_completion(server: Proc) -> None:
     assert body["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"])
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 7
     timeline = httpx.get(server.url + "/timeline").json()
-    assert any(t["request_id"] == request_id for t in timeline)
+    assert any(t["client_request_id"] == request_id and t["request_id"] != request_id for t in timeline)
 
 
 def test_prompt_forms_agree(server: Proc) -> None:

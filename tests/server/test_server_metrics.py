@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine.async_engine import EngineStats
+from pdserve.engine.client import EngineStats
 from pdserve.server.metrics import make_registry, render
 
 

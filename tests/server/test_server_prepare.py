@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.server.prepare import chat_prompt_ids, check_supported, completion_prompt_ids, sampling_params
-from pdserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse
+from pdserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from pdserve.web import ErrorResponse
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,116 @@
+"""The engine as its clients (the HTTP server, metrics, tests) see it: a narrow, typed facade.
+
+`EngineClient` is the Protocol the server holds; `AsyncEngine` implements it. The commands that cross from
+the event loop to the engine thread are the frozen dataclasses below, and what comes back is RequestOutput
+(per request) and EngineStats (a snapshot the engine thread publishes). Importing this module loads no
+torch, so the server's request path stays importable without the model stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Event loop -> engine thread: start a request."""
+
+    request_id: str  # the server's own id, unique among requests in flight on this instance
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    kv_transfer_params: dict[str, Any] | None = None  # from the request body (P/D legs only)
+    client_request_id: str | None = None  # the client's X-Request-Id: logs, echo and /timeline only
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Event loop -> engine thread: stop a request (client gone); its blocks are freed."""
+
+    request_id: str
+
+
+EngineCommand = AddRequest | AbortRequest
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What is fixed once the engine has started (read from any thread)."""
+
+    model_name: str  # the loaded model's name (served name unless --served-model-name)
+    model_path: str  # what was loaded (path or built-in name), reported as `root` by /v1/models
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int  # KV cache blocks of this instance
+    kv_transfer_info: dict[str, Any]  # GET /kv_transfer/info (engine id, side channel, block size, mode...)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after each step (and when idle); read by /metrics."""
+
+    num_blocks_total: int
+    num_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    kv_sent_bytes: int
+    kv_received_bytes: int
+    transfers_ok: int
+    transfers_failed: int
+    transfers_expired: int
+    num_engine_steps: int = 0  # LLMEngine.step() calls so far
+    transfer_hook_seconds: float = 0.0  # engine-thread seconds spent in the connector hooks so far
+    num_step_failures: int = 0  # steps that raised; their requests failed, the loop went on
+    ttft_seconds: list[float] = field(default_factory=list)  # observations drained since the last stats()
+    transfer_seconds: list[float] = field(default_factory=list)  # drained since the last stats()
+
+
+class EngineClient(Protocol):
+    """What the HTTP server needs of an engine. All methods are called from the event loop thread."""
+
+    @property
+    def is_ready(self) -> bool:
+        """True once start() finished and while the engine loop is alive."""
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine loop died, if it did."""
+
+    @property
+    def info(self) -> EngineInfo:
+        """Fixed facts of the started engine; raises RuntimeError before start()."""
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None for dummy-weight presets: token-id prompts only)."""
+
+    @property
+    def model_path(self) -> str:
+        """What this engine loads (known before start)."""
+
+    def start(self) -> None:
+        """Load the model and start the engine loop (blocking; seconds)."""
+
+    def shutdown(self) -> None:
+        """Stop and join the engine loop, then the transfer threads."""
+
+    def generate(self, command: AddRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs as tokens arrive; the last has finished=True. Raises ValueError for input the engine refuses.
+        Closing the iterator early aborts the request."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (no-op if it already ended)."""
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot, with the observations made since the previous call."""
+
+    def timelines(self) -> list[dict[str, Any]]:
+        """Recent requests' event times (GET /timeline)."""

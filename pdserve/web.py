@@ -1,0 +1,144 @@
+"""What the instance server and the router share over HTTP: the request-id header, the error shape, noticing
+that a client went away, and the request-body size limit.
+
+Light on purpose (starlette and pydantic only): the router imports this and nothing of `pdserve.server`, and
+neither imports the engine or torch through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+T = TypeVar("T")
+
+REQUEST_ID_HEADER = "X-Request-Id"  # a client's id for its request: logged and echoed, never an engine key
+MAX_REQUEST_ID_CHARS = 128  # longer client ids are cut (logs and echo only)
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20  # a request body larger than this is refused with 413
+
+ERROR_TYPES = {  # HTTP status -> OpenAI error type
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    499: "client_closed_request",
+    500: "internal_server_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int  # the HTTP status
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, status: int, message: str) -> ErrorResponse:
+        return cls(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "error"), code=status))
+
+
+def error_body(status: int, message: str) -> dict:
+    """The error shape as a plain dict (for JSON and SSE)."""
+    return ErrorResponse.of(status, message).model_dump()
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def client_request_id(header: str | None) -> str | None:
+    """The client's X-Request-Id as we log and echo it: printable ASCII, at most MAX_REQUEST_ID_CHARS."""
+    if not header:
+        return None
+    cleaned = "".join(c for c in header if c.isascii() and c.isprintable())
+    return cleaned[:MAX_REQUEST_ID_CHARS] or None
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the answer was complete."""
+
+
+async def until_disconnect(request: Request) -> None:
+    """Return when the client disconnects. Call only after the request body has been read."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(awaitable: Awaitable[T], request: Request) -> T:
+    """Await `awaitable`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request whose body exceeds `max_bytes` is answered 413 before the app sees it.
+    Checked against Content-Length when given; otherwise the body is read (up to the limit) and replayed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = error_response(413, f"request body larger than {self.max_bytes} bytes")
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            await self.app(scope, receive, send)  # the server stops reading at Content-Length
+            return
+        chunks: list[bytes] = []
+        seen = 0
+        while True:  # no Content-Length (chunked): read it all, bounded, then replay it
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunks.append(msg.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
