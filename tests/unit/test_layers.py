@@ -1,0 +1,87 @@
+"""The architecture, executable: each module is imported in a fresh interpreter, which fails the test if it
+loads a module its layer must not.
+
+Layers (docs/architecture.md, "Pieces and dependencies"):
+- the block pool, the scheduler and the connectors' scheduler halves are pure Python: no torch, numpy or nixl;
+- the engine facade the server holds (engine/client.py), the server's HTTP modules and the shared web
+  module load no torch;
+- transfer/ never imports the engine or the server;
+- the router and the bench speak HTTP only: no torch, no engine, no model, no server.
+"""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import pdserve
+
+HEAVY = ("torch", "numpy", "nixl", "nixl_cu12")
+
+
+def loaded_after_import(*modules: str) -> set[str]:
+    """pdserve's modules and the HEAVY packages loaded after importing `modules` in a fresh interpreter."""
+    code = (
+        "import json, sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        + f"{HEAVY!r} or m.startswith('pdserve'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def all_modules(package: str) -> list[str]:
+    pkg = __import__(package, fromlist=["__path__"])
+    return sorted(m.name for m in pkgutil.walk_packages(pkg.__path__, package + "."))
+
+
+def heavy(loaded: set[str]) -> set[str]:
+    return {m for m in loaded if m.split(".")[0] in HEAVY}
+
+
+def scheduler_halves() -> list[str]:
+    """The connectors' engine-thread halves, wherever the transfer package keeps them."""
+    names = [m for m in all_modules("pdserve.transfer") if ".scheduler" in m or m.endswith(".nop")]
+    return names or ["pdserve.transfer.scheduler_base"]
+
+
+PURE = ["pdserve.engine.block_pool", "pdserve.engine.scheduler", "pdserve.engine.request", "pdserve.sampling_params"]
+NO_TORCH = [
+    "pdserve.engine.client",
+    "pdserve.web",
+    "pdserve.server.api",
+    "pdserve.server.streams",
+    "pdserve.server.metrics",
+]
+
+
+@pytest.mark.parametrize("module", PURE + scheduler_halves())
+def test_pure_python_layers_load_no_torch_numpy_or_nixl(module: str) -> None:
+    assert heavy(loaded_after_import(module)) == set()
+
+
+@pytest.mark.parametrize("module", NO_TORCH)
+def test_engine_facade_and_http_modules_load_no_torch(module: str) -> None:
+    assert "torch" not in loaded_after_import(module)
+
+
+def test_transfer_imports_neither_engine_nor_server() -> None:
+    loaded = loaded_after_import(*all_modules("pdserve.transfer"))
+    assert {m for m in loaded if m.startswith(("pdserve.engine", "pdserve.server"))} == set()
+
+
+def test_router_and_bench_speak_http_only() -> None:
+    loaded = loaded_after_import(*all_modules("pdserve.router"), *all_modules("pdserve.bench"), "pdserve.web")
+    bad = {m for m in loaded if m.startswith(("pdserve.engine", "pdserve.model", "pdserve.server"))}
+    assert bad == set() and "torch" not in loaded
+
+
+def test_layer_rules_cover_the_package() -> None:
+    assert pdserve.__file__ is not None
+    assert all_modules("pdserve.router") and all_modules("pdserve.bench") and all_modules("pdserve.transfer")
