@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from pydantic import BaseModel
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -97,6 +99,39 @@ async def race_disconnect(awaitable: Awaitable[T], request: Request) -> T:
                 t.cancel()
                 with contextlib.suppress(BaseException):
                     await t
+
+
+OPEN_PATHS = ("/health",)  # answered without an API key (load balancers and orchestrators poll it)
+
+
+class ApiKeyAuth:
+    """ASGI middleware: every HTTP path except OPEN_PATHS needs `Authorization: Bearer <api_key>`; anything
+    else is answered 401 (the comparison takes the same time whatever the key sent)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("an empty API key protects nothing")
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers", [])).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self._expected):
+            await error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)")(
+                scope, receive, send
+            )
+            return
+        await self.app(scope, receive, send)
+
+
+def protect(app: Starlette, api_key: str | None, max_body_bytes: int) -> None:
+    """Add the shared middleware to a FastAPI/Starlette app: body-size limit, then the API key if given."""
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
 
 
 class BodySizeLimit:

@@ -33,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=32.0,
         help="refuse request bodies larger than this many MiB with HTTP 413 (default 32)",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health (the router also sends it to the "
+        "instances, so start them with the same key); default: no key",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
@@ -53,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             connect_timeout_s=args.connect_timeout_s,
             health_timeout_s=args.health_timeout_s,
             max_body_bytes=int(args.max_body_mb * 2**20),
+            api_key=args.api_key,
         )
     except ValueError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)

@@ -26,10 +26,10 @@ from pdserve.router.upstream import LegError, get_json, make_session
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
-    BodySizeLimit,
     ClientDisconnected,
     client_request_id,
     error_response,
+    protect,
 )
 
 log = logging.getLogger("pdserve.router")
@@ -44,6 +44,7 @@ class RouterConfig:
     connect_timeout_s: float = 10.0  # to open a connection to a backend
     health_timeout_s: float = 5.0  # for each backend's /health and P's /kv_transfer/info
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are refused with 413
+    api_key: str | None = None  # clients must send it, and the router sends it to every instance
 
     def __post_init__(self) -> None:
         if self.mode not in ("pull", "push"):
@@ -64,7 +65,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        session = make_session(config.connect_timeout_s)
+        session = make_session(config.connect_timeout_s, config.api_key)
         holder["orchestrator"] = Orchestrator(config.mode, prefill, decode, session, config.health_timeout_s)
         try:
             yield
@@ -72,7 +73,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             await session.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    protect(app, config.api_key, config.max_body_bytes)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

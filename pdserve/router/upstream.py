@@ -26,12 +26,14 @@ class LegError(Exception):
         self.body = body if body is not None else error_body(status, message)
 
 
-def make_session(connect_timeout_s: float) -> aiohttp.ClientSession:
+def make_session(connect_timeout_s: float, api_key: str | None = None) -> aiohttp.ClientSession:
     """One session for the router's life: pooled keep-alive connections, no read timeout (streams and long
-    prefills take as long as they take), a bounded connect time so a dead backend fails fast."""
+    prefills take as long as they take), a bounded connect time so a dead backend fails fast; every call
+    carries `Authorization: Bearer api_key` when one is given."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)  # backends keep idle connections for 30 s
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=None)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False, headers=headers)
 
 
 def _error_message(payload: Any, text: str) -> str:

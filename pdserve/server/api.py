@@ -47,10 +47,10 @@ from pdserve.server.streams import RequestRun
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
-    BodySizeLimit,
     ClientDisconnected,
     client_request_id,
     error_response,
+    protect,
 )
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ def build_app(
     served_model_names: list[str] | None = None,
     on_start_failure: Callable[[BaseException], None] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The app serving `engine` (an AsyncEngine, not started yet). `on_start_failure` is called from the
     engine-start thread if the model fails to load (the CLI uses it to stop the server)."""
@@ -140,7 +141,7 @@ def build_app(
             await asyncio.to_thread(state.start_thread.join, 30)
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    protect(app, api_key, max_body_bytes)  # every route but /health needs the key, when one is set
     app.state.pdserve = state
 
     @app.exception_handler(ApiError)

@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=32.0,
         help="refuse request bodies larger than this many MiB with HTTP 413 (default 32)",
     )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health (/v1/*, /metrics, /timeline, "
+        "/kv_transfer/info); default: no key",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
     g = p.add_argument_group("model")
@@ -188,7 +194,13 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True  # read by uvicorn's main loop; safe from another thread
 
     engine = AsyncEngine(config)
-    app = build_app(engine, args.served_model_name, on_start_failure, max_body_bytes=int(args.max_body_mb * 2**20))
+    app = build_app(
+        engine,
+        args.served_model_name,
+        on_start_failure,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        api_key=args.api_key,
+    )
     t = config.transfer
     log.info(
         "serving %s on http://%s:%d (kv role %s, transfer %s, engine id %s, %d torch threads)",

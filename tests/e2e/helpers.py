@@ -182,9 +182,9 @@ class Launcher:
 # --- talking to the processes -----------------------------------------------------------------------------
 
 
-def scrape_metrics(url: str) -> dict[str, float]:
+def scrape_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """GET url/metrics as {"name{labels}": value} (comment lines dropped)."""
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10, trust_env=False).text
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -193,12 +193,12 @@ def scrape_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def wait_idle(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+def wait_idle(url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None) -> dict[str, float]:
     """Poll url/metrics until no request runs or waits and every KV block is free; returns the last scrape
     (the caller asserts on it, so a timeout shows the numbers)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        m = scrape_metrics(url)
+        m = scrape_metrics(url, headers)
         busy = m["pdserve_requests_running"] + m["pdserve_requests_waiting"] + m["pdserve_requests_waiting_for_kv"]
         if (busy == 0 and m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"]) or time.monotonic() > deadline:
             return m
