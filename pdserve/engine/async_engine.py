@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from pdserve.config import EngineConfig
@@ -97,7 +97,7 @@ class AsyncEngine:
             self._engine.shutdown()
 
     # ---- requests (event loop) --------------------------------------------------------------------------------
-    async def generate(self, command: AddRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, command: AddRequest) -> AsyncGenerator[RequestOutput, None]:
         """Yield outputs as tokens arrive; the last has finished=True. Raises ValueError for bad input.
         Closing the generator early (client gone) aborts the request."""
         if not self.is_ready or self._engine is None:

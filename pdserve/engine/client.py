@@ -8,7 +8,7 @@ torch, so the server's request path stays importable without the model stack.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -102,7 +102,7 @@ class EngineClient(Protocol):
     def shutdown(self) -> None:
         """Stop and join the engine loop, then the transfer threads."""
 
-    def generate(self, command: AddRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, command: AddRequest) -> AsyncGenerator[RequestOutput, None]:
         """Outputs as tokens arrive; the last has finished=True. Raises ValueError for input the engine refuses.
         Closing the iterator early aborts the request."""
 

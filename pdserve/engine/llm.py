@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
@@ -41,13 +42,13 @@ class LLM:
         self._counter = 0
 
     def generate(
-        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
         order: dict[str, int] = {}
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(_as_batch(prompts)):
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("this model has no tokenizer (dummy weights): pass token-id lists")
@@ -72,3 +73,13 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _as_batch(prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[str | list[int]]:
+    """One prompt (text or token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and isinstance(items[0], int):
+        return [[int(t) for t in cast(Sequence[int], items)]]
+    return [p if isinstance(p, str) else [int(t) for t in cast(Sequence[int], p)] for p in items]

@@ -12,8 +12,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+
 # extension fields (vLLM's) are left out of a response when empty, so plain OpenAI clients see plain shapes
-_OMIT_NONE: dict[str, Any] = dict(default=None, exclude_if=lambda v: v is None)
+def _is_none(value: Any) -> bool:
+    return value is None
+
 
 # --- requests -------------------------------------------------------------------------------------------
 
@@ -113,8 +116,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while streaming
-    prompt_token_ids: list[int] | None = Field(**_OMIT_NONE)  # only with return_token_ids
-    token_ids: list[int] | None = Field(**_OMIT_NONE)  # only with return_token_ids; this chunk's when streaming
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # only with return_token_ids
+    token_ids: list[int] | None = Field(
+        default=None, exclude_if=_is_none
+    )  # only with return_token_ids; this chunk's when streaming
 
 
 class CompletionResponse(BaseModel):
@@ -137,8 +142,8 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: None = None
     finish_reason: str | None = None
-    prompt_token_ids: list[int] | None = Field(**_OMIT_NONE)
-    token_ids: list[int] | None = Field(**_OMIT_NONE)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -152,7 +157,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = Field(**_OMIT_NONE)  # only in the first chunk
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)  # only in the first chunk
     content: str | None = None
 
 
@@ -161,7 +166,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = Field(**_OMIT_NONE)  # only with return_token_ids
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # only with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -171,7 +176,9 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None  # only in the last chunk, with include_usage
-    kv_transfer_params: dict[str, Any] | None = Field(**_OMIT_NONE)  # only in the chunk that finishes it
+    kv_transfer_params: dict[str, Any] | None = Field(
+        default=None, exclude_if=_is_none
+    )  # only in the chunk that finishes it
 
 
 class CompletionChunk(BaseModel):
@@ -181,7 +188,9 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    kv_transfer_params: dict[str, Any] | None = Field(**_OMIT_NONE)  # only in the chunk that finishes it
+    kv_transfer_params: dict[str, Any] | None = Field(
+        default=None, exclude_if=_is_none
+    )  # only in the chunk that finishes it
 
 
 class ModelCard(BaseModel):

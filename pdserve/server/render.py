@@ -64,7 +64,7 @@ class Renderer:
         """The non-streaming body for the finished output `out`."""
         prompt_ids = self.prompt_token_ids if self.return_token_ids else None
         token_ids = list(out.token_ids) if self.return_token_ids else None
-        common = dict(id=self.response_id, model=self.model, usage=self.usage(out))
+        usage = self.usage(out)
         if self.kind == "chat":
             choice = ChatChoice(
                 message=ChatMessageOut(content=out.text),
@@ -72,12 +72,24 @@ class Renderer:
                 prompt_token_ids=prompt_ids,
                 token_ids=token_ids,
             )
-            body: Any = ChatCompletionResponse(choices=[choice], kv_transfer_params=out.kv_transfer_params, **common)
+            body: Any = ChatCompletionResponse(
+                id=self.response_id,
+                model=self.model,
+                usage=usage,
+                choices=[choice],
+                kv_transfer_params=out.kv_transfer_params,
+            )
         else:
             choice_c = CompletionChoice(
                 text=out.text, finish_reason=out.finish_reason, prompt_token_ids=prompt_ids, token_ids=token_ids
             )
-            body = CompletionResponse(choices=[choice_c], kv_transfer_params=out.kv_transfer_params, **common)
+            body = CompletionResponse(
+                id=self.response_id,
+                model=self.model,
+                usage=usage,
+                choices=[choice_c],
+                kv_transfer_params=out.kv_transfer_params,
+            )
         return body.model_dump(exclude_none=False)
 
     def chunk(
