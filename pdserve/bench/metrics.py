@@ -143,15 +143,14 @@ def calculate_metrics(
     for key, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         for stat, value in _stats(values, percentiles).items():
             result[f"{stat}_{key}_ms"] = value
-    per_request: dict[
-        str, list[float | None]
-    ] = {  # seconds, every request in send order, None where the metric has no value
+    # seconds, every request in send order, None where the metric has no value
+    by_arrival: dict[str, list[float | None]] = {
         "ttft": [o.ttft if o.success else None for o in outputs],
         "tpot": [
             (o.latency - o.ttft) / (o.output_tokens - 1) if o.success and o.output_tokens > 1 else None for o in outputs
         ],
     }
-    for key, per_request_s in per_request.items():
+    for key, per_request_s in by_arrival.items():
         quarters = quarter_medians_ms(per_request_s)
         result[f"{key}_quarter_medians_ms"] = quarters
         result[f"{key}_drift"] = drift_ratio(quarters)
