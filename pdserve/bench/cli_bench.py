@@ -54,7 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not ask for per-chunk token ids (for servers that refuse vLLM's return_token_ids)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
-    parser.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
+    parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="untimed requests sent first, excluded from every figure (per-quarter medians included)",
+    )
     parser.add_argument("--goodput", nargs="+", default=None, metavar="SLO:MS", help="e.g. ttft:500 tpot:50")
     parser.add_argument("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")
     parser.add_argument("--save-result", action="store_true", help="write the result JSON (implied by below)")

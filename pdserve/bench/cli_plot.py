@@ -1,4 +1,5 @@
-"""`pdserve plot`: a sweep's result JSONs -> a PNG per metric, and the push/pull ratio per point."""
+"""`pdserve plot`: a sweep's result JSONs -> a PNG per metric and one over the run, the push/pull ratio per
+point, and each point's median per quarter of the run (steady state: does the metric drift?)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,27 @@ import argparse
 import sys
 from pathlib import Path
 
-from pdserve.bench.plot import METRIC_NAMES, load_results, plot_metric, ratio_lines
+from pdserve.bench.plot import (
+    METRIC_NAMES,
+    PER_REQUEST_METRICS,
+    drift_lines,
+    load_results,
+    plot_metric,
+    plot_over_run,
+    ratio_lines,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-dir", type=Path, required=True, help="folder of sweep result JSONs")
     parser.add_argument("--metric", choices=list(METRIC_NAMES), default="ttft", help="latency metric to plot")
-    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: <results-dir>/<metric>.png)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="PNG path (default: <results-dir>/<metric>.png); the metric against request index goes beside it "
+        "as <name>_over_run.png (not for itl, which has many values per request)",
+    )
     parser.add_argument("--title", default=None, help="figure title (default: derived)")
 
 
@@ -21,8 +36,14 @@ def run(args: argparse.Namespace) -> int:
     if not points:
         print(f"pdserve plot: no sweep results in {args.results_dir}", file=sys.stderr)
         return 1
-    out = plot_metric(points, args.metric, args.out or args.results_dir / f"{args.metric}.png", args.title)
+    out = args.out or args.results_dir / f"{args.metric}.png"
+    plot_metric(points, args.metric, out, args.title)
     for line in ratio_lines(points, args.metric):
         print(line)
     print(f"plot written to {out}")
+    if args.metric in PER_REQUEST_METRICS:
+        for line in drift_lines(points, args.metric):
+            print(line)
+        over_run = plot_over_run(points, args.metric, out.with_name(f"{out.stem}_over_run.png"))
+        print(f"plot over the run written to {over_run}")
     return 0

@@ -36,7 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-lens", type=_ints, default=(512,), help="comma-separated prompt lengths")
     parser.add_argument("--output-lens", type=_ints, default=(64,), help="comma-separated output lengths")
     parser.add_argument("--iterations", type=int, default=1, help="runs per grid point")
-    parser.add_argument("--num-prompts", type=int, default=20, help="requests per run")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=20,
+        help="requests per run; for steady state use hundreds (each result JSON and the summary table give TTFT's "
+        "median per quarter of the run by arrival, and its drift = last quarter / first quarter)",
+    )
     parser.add_argument(
         "--results-dir", type=Path, default=Path("results/sweep"), help="where result JSONs and logs go"
     )
@@ -55,7 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--random-range-ratio", type=float, default=0.0, help="spread of prompt/output lengths around the value"
     )
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
-    parser.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per deployment")
+    parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=2,
+        help="warm-up requests per deployment, sent all at once before its first point; excluded from every "
+        "result and figure (medians, per-quarter medians, drift, plots)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
     parser.add_argument("--save-timeline", action="store_true", help="also write timeline_<mode>.json")
     parser.add_argument(

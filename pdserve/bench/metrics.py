@@ -8,12 +8,17 @@
 - Throughputs divide by the wall time of the whole run (`duration`).
 - Per-request lists (`input_lens`, `output_lens`, `ttfts`, `itls`, `latencies`, `errors`) keep every request
   in send order; a failed request has output_len 0.
+- Steady state (pdserve's addition; vLLM's keys are unchanged): the requests are split by send order (= arrival
+  order) into four quarters of the run, sizes differing by at most one; `ttft_quarter_medians_ms` and
+  `tpot_quarter_medians_ms` are each quarter's median over its successful requests (None for a quarter
+  without one), and `ttft_drift` / `tpot_drift` are last quarter / first quarter (None when undefined).
+  Warm-up requests are never among the outputs, so they are in none of these figures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,6 +32,37 @@ METRICS = (  # (key, label, header) in the order of the summary table
     ("e2el", "E2EL", "End-to-end Latency"),
 )
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+NUM_QUARTERS = 4
+T = TypeVar("T")
+
+
+def split_quarters(items: Sequence[T]) -> list[list[T]]:
+    """items in send order -> NUM_QUARTERS consecutive runs, sizes differing by at most one (earlier ones larger)."""
+    size, extra = divmod(len(items), NUM_QUARTERS)
+    quarters, start = [], 0
+    for k in range(NUM_QUARTERS):
+        end = start + size + (1 if k < extra else 0)
+        quarters.append(list(items[start:end]))
+        start = end
+    return quarters
+
+
+def quarter_medians_ms(values: Sequence[float | None], scale: float = 1000.0) -> list[float | None]:
+    """One value per request in send order (None: no value, e.g. a failed request) -> the median of each
+    quarter of the run, times `scale` (seconds -> ms by default); None for a quarter without a value."""
+    medians: list[float | None] = []
+    for quarter in split_quarters(values):
+        present = [v for v in quarter if v is not None]
+        medians.append(float(np.median(present)) * scale if present else None)
+    return medians
+
+
+def drift_ratio(quarter_medians: Sequence[float | None]) -> float | None:
+    """Last quarter's median / first quarter's: 1 = no drift; None when either is missing or the first is 0."""
+    first, last = quarter_medians[0], quarter_medians[-1]
+    if first is None or last is None or first <= 0:
+        return None
+    return last / first
 
 
 def parse_goodput(pairs: Sequence[str] | None) -> dict[str, float]:
@@ -107,7 +143,23 @@ def calculate_metrics(
     for key, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         for stat, value in _stats(values, percentiles).items():
             result[f"{stat}_{key}_ms"] = value
+    # seconds, every request in send order, None where the metric has no value
+    by_arrival: dict[str, list[float | None]] = {
+        "ttft": [o.ttft if o.success else None for o in outputs],
+        "tpot": [
+            (o.latency - o.ttft) / (o.output_tokens - 1) if o.success and o.output_tokens > 1 else None for o in outputs
+        ],
+    }
+    for key, per_request_s in by_arrival.items():
+        quarters = quarter_medians_ms(per_request_s)
+        result[f"{key}_quarter_medians_ms"] = quarters
+        result[f"{key}_drift"] = drift_ratio(quarters)
     return result
+
+
+def format_quarters(quarters: Sequence[float | None]) -> str:
+    """[36.2, 34.0, None, 92.5] -> "36.2 / 34.0 / - / 92.5"."""
+    return " / ".join("-" if q is None else f"{q:.1f}" for q in quarters)
 
 
 def format_summary(result: dict[str, Any], percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> str:
@@ -134,6 +186,12 @@ def format_summary(result: dict[str, Any], percentiles: Sequence[float] = DEFAUL
         for p in percentiles:
             pk = percentile_key(p)
             lines.append(row.format(f"{pk.upper()} {label} (ms):", f"{result[f'{pk}_{key}_ms']:.2f}"))
+    if "ttft_quarter_medians_ms" in result:
+        lines.append("{:-^60}".format("Over the run (median per quarter, by arrival)"))
+        for key, label in (("ttft", "TTFT"), ("tpot", "TPOT")):
+            drift = result.get(f"{key}_drift")
+            lines.append(row.format(f"{label} per quarter (ms):", format_quarters(result[f"{key}_quarter_medians_ms"])))
+            lines.append(row.format(f"{label} drift (last/first quarter):", "-" if drift is None else f"{drift:.2f}"))
     lines.append("=" * 60)
     errors = [e for e in result.get("errors", []) if e]
     for i, err in enumerate(errors[:5]):

@@ -2,6 +2,8 @@
 
 Per grid point (mode, qps, input length, output length) the iterations are pooled: the statistics below are
 taken over every successful request of every iteration, from the per-request lists of the result JSONs.
+Over the run (steady state), each iteration's requests are split into quarters by send order and quarter k of
+every iteration is pooled, so a point's quarter medians say whether TTFT drifts as the run goes on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.bench.metrics import NUM_QUARTERS, drift_ratio, split_quarters
+
 METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
+PER_REQUEST_METRICS = ("ttft", "tpot", "e2el")  # one value per request (ITL has many), so plottable over the run
 MODE_COLORS = {"push": "tab:orange", "pull": "tab:blue"}
 
 
@@ -32,24 +37,31 @@ class Point:
 
     def values_ms(self, metric: str) -> list[float]:
         """Per-request values of `metric` in ms over every successful request of every iteration."""
+        if metric not in METRIC_NAMES:
+            raise ValueError(f"metric {metric!r} is not one of {', '.join(METRIC_NAMES)}")
         values: list[float] = []
         for r in self.results:
-            for i, error in enumerate(r["errors"]):
-                if error or not r["output_lens"][i]:
-                    continue
-                ttft, latency, num_out = r["ttfts"][i], r["latencies"][i], r["output_lens"][i]
-                if metric == "ttft":
-                    values.append(ttft * 1000)
-                elif metric == "e2el":
-                    values.append(latency * 1000)
-                elif metric == "tpot":
-                    if num_out > 1:
-                        values.append((latency - ttft) / (num_out - 1) * 1000)
-                elif metric == "itl":
-                    values.extend(gap * 1000 for gap in r["itls"][i])
-                else:
-                    raise ValueError(f"metric {metric!r} is not one of {', '.join(METRIC_NAMES)}")
+            if metric == "itl":
+                for i, error in enumerate(r["errors"]):
+                    if not error and r["output_lens"][i]:
+                        values.extend(gap * 1000 for gap in r["itls"][i])
+            else:
+                values.extend(v for v in per_request_ms(r, metric) if v is not None)
         return values
+
+    def quarter_medians(self, metric: str = "ttft") -> list[float]:
+        """Median (ms) of each quarter of the run by send order, iterations pooled quarter by quarter; nan
+        for a quarter without a successful request."""
+        pooled: list[list[float]] = [[] for _ in range(NUM_QUARTERS)]
+        for r in self.results:
+            for k, quarter in enumerate(split_quarters(per_request_ms(r, metric))):
+                pooled[k].extend(v for v in quarter if v is not None)
+        return [float(np.median(q)) if q else math.nan for q in pooled]
+
+    def drift(self, metric: str = "ttft") -> float:
+        """Last quarter's median / first quarter's (1 = steady); nan when undefined."""
+        ratio = drift_ratio([None if math.isnan(q) else q for q in self.quarter_medians(metric)])
+        return math.nan if ratio is None else ratio
 
     def stat(self, metric: str, q: float = 50.0) -> float:
         values = self.values_ms(metric)
@@ -62,6 +74,26 @@ class Point:
     @property
     def num_completed(self) -> int:
         return sum(r["completed"] for r in self.results)
+
+
+def per_request_ms(result: dict[str, Any], metric: str) -> list[float | None]:
+    """One value (ms) per request of one bench result, in send order; None for a failed request (and for
+    the TPOT of a one-token request). `metric` is one of PER_REQUEST_METRICS."""
+    if metric not in PER_REQUEST_METRICS:
+        raise ValueError(f"metric {metric!r} has no single value per request; use one of {PER_REQUEST_METRICS}")
+    values: list[float | None] = []
+    for error, ttft, latency, num_out in zip(
+        result["errors"], result["ttfts"], result["latencies"], result["output_lens"], strict=True
+    ):
+        if error or not num_out:
+            values.append(None)
+        elif metric == "ttft":
+            values.append(ttft * 1000)
+        elif metric == "e2el":
+            values.append(latency * 1000)
+        else:
+            values.append((latency - ttft) / (num_out - 1) * 1000 if num_out > 1 else None)
+    return values
 
 
 def _qps(value: Any) -> float:
@@ -91,14 +123,26 @@ def _ratio(a: float, b: float) -> str:
     return "-" if math.isnan(a) or math.isnan(b) or b == 0 else f"{a / b:.2f}"
 
 
-def summary_rows(points: Sequence[Point], metrics: Sequence[str] = ("ttft", "tpot")) -> str:
-    """A text table: one row per (qps, input, output); per metric push and pull medians (ms) and push/pull."""
+def _fmt_quarters(quarters: Sequence[float]) -> str:
+    """[36.2, 34.0, nan, 1234.5] -> "36/34/-/1234" (ms; one decimal below 10 ms)."""
+    return "/".join("-" if math.isnan(q) else f"{q:.1f}" if q < 10 else f"{q:.0f}" for q in quarters)
+
+
+def summary_rows(
+    points: Sequence[Point], metrics: Sequence[str] = ("ttft", "tpot"), drift_metric: str | None = "ttft"
+) -> str:
+    """A text table: one row per (qps, input, output); per metric push and pull medians (ms) and push/pull;
+    then, per mode, `drift_metric`'s median per quarter of the run and its drift (last / first quarter)."""
     by_key: dict[tuple, dict[str, Point]] = defaultdict(dict)
     for p in points:
         by_key[(p.qps, p.input_len, p.output_len)][p.mode] = p
+    modes_present = [m for m in ("push", "pull") if any(p.mode == m for p in points)]
     header = ["qps", "input", "output"]
     for m in metrics:
         header += [f"push {METRIC_NAMES[m]}", f"pull {METRIC_NAMES[m]}", "push/pull"]
+    if drift_metric:
+        for mode in modes_present:
+            header += [f"{mode} {METRIC_NAMES[drift_metric]} q1/q2/q3/q4", f"{mode} drift"]
     header.append("failed")
     rows = [header]
     for (qps, input_len, output_len), modes in sorted(by_key.items()):
@@ -107,12 +151,22 @@ def summary_rows(points: Sequence[Point], metrics: Sequence[str] = ("ttft", "tpo
             push = modes["push"].stat(m) if "push" in modes else math.nan
             pull = modes["pull"].stat(m) if "pull" in modes else math.nan
             row += [_fmt(push), _fmt(pull), _ratio(push, pull)]
+        if drift_metric:
+            for mode in modes_present:
+                if mode in modes:
+                    drift = modes[mode].drift(drift_metric)
+                    row += [_fmt_quarters(modes[mode].quarter_medians(drift_metric)), _ratio(drift, 1.0)]
+                else:
+                    row += ["-", "-"]
         row.append(str(sum(p.num_failed for p in modes.values())))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return "median ms over all requests of all iterations\n" + "\n".join(lines)
+    note = "median ms over all requests of all iterations"
+    if drift_metric:
+        note += "; q1..q4: median per quarter of the run by arrival, drift = q4/q1"
+    return note + "\n" + "\n".join(lines)
 
 
 def plot_metric(points: Sequence[Point], metric: str, out: Path, title: str | None = None) -> Path:
@@ -175,3 +229,58 @@ def ratio_lines(points: Sequence[Point], metric: str) -> list[str]:
                 f"pull {_fmt(pull)} ms, push/pull {_ratio(push, pull)}"
             )
     return lines
+
+
+def plot_over_run(points: Sequence[Point], metric: str, out: Path, title: str | None = None) -> Path:
+    """One panel per grid point (qps, input, output): x = request index in arrival order, y = the metric of
+    each successful request (ms), per mode, every iteration; a step line marks each quarter's median."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not points:
+        raise ValueError("no results to plot")
+    per_request_ms(points[0].results[0], metric)  # refuses ITL before drawing anything
+    keys = sorted({(p.qps, p.input_len, p.output_len) for p in points})
+    ncols = min(len(keys), 3)
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        for p in sorted((p for p in points if (p.qps, p.input_len, p.output_len) == key), key=lambda p: p.mode):
+            color = MODE_COLORS.get(p.mode)
+            num = 0
+            for r in p.results:
+                values = per_request_ms(r, metric)
+                xs = [i for i, v in enumerate(values) if v is not None]
+                ax.scatter(xs, [values[i] for i in xs], s=6, alpha=0.5, color=color)
+                num = max(num, len(values))
+            bounds = [0] + list(np.cumsum([len(q) for q in split_quarters(range(num))]))
+            medians = p.quarter_medians(metric)
+            label = f"{p.mode} (drift {_ratio(p.drift(metric), 1.0)}, {p.num_failed} failed)"
+            for k, med in enumerate(medians):
+                ax.hlines(med, bounds[k], bounds[k + 1], color=color, linewidth=2, label=label if k == 0 else None)
+        qps, input_len, output_len = key
+        rate = "all at once" if math.isinf(qps) else f"{qps:g} req/s"
+        ax.set_title(f"{rate}, in {input_len}, out {output_len}")
+        ax.set_xlabel("request index (arrival order)")
+        ax.set_ylabel(f"{METRIC_NAMES[metric]} (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.set_visible(False)
+    fig.suptitle(title or f"{METRIC_NAMES[metric]} over the run: dots per request, lines per-quarter medians")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def drift_lines(points: Sequence[Point], metric: str) -> list[str]:
+    """Lines like `qps 8 in 4096 out 128 push: TTFT per quarter 36/34/134/92 ms, drift 2.56`."""
+    return [
+        f"qps {p.qps:g} in {p.input_len} out {p.output_len} {p.mode}: {METRIC_NAMES[metric]} per quarter "
+        f"{_fmt_quarters(p.quarter_medians(metric))} ms, drift {_ratio(p.drift(metric), 1.0)}"
+        for p in points
+    ]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pdserve.bench import cli_bench
 from pdserve.bench.deploy import Deployment, ServerOptions
+from pdserve.bench.metrics import format_quarters
 from pdserve.bench.tokenizer import Vocab, load_vocab
 
 MODES = ("push", "pull")
@@ -209,9 +210,12 @@ class Sweep:
         path = cfg.results_dir / f"{stem}.json"
         path.write_text(json.dumps(result, indent=1))
         self.written.append(path)
+        drift = result["ttft_drift"]
         self.log(
             f"[{mode}] {stem}: {result['completed']}/{cfg.num_prompts} ok, "
-            f"median TTFT {result['median_ttft_ms']:.1f} ms, TPOT {result['median_tpot_ms']:.1f} ms"
+            f"median TTFT {result['median_ttft_ms']:.1f} ms, TPOT {result['median_tpot_ms']:.1f} ms, "
+            f"TTFT per quarter {format_quarters(result['ttft_quarter_medians_ms'])} ms, "
+            f"drift {'-' if drift is None else f'{drift:.2f}'}"
         )
 
     def _save_timeline(self, mode: str, ends: Endpoints) -> None:
@@ -226,7 +230,8 @@ class Sweep:
 
 
 def summary_table(paths: Sequence[Path]) -> str:
-    """Push vs pull, one row per (qps, input, output): medians over iterations of median TTFT and TPOT."""
+    """Push vs pull, one row per (qps, input, output): median TTFT and TPOT over every request of every
+    iteration, and per mode TTFT's median per quarter of the run with its drift (last / first quarter)."""
     from pdserve.bench.plot import load_results, summary_rows
 
     return summary_rows(load_results(paths))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,57 @@ def test_bad_sampling_params_are_refused() -> None:
     for kw in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"stop": ("",)}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 1e-6, 5e-324])
+def test_tiny_temperature_is_greedy(llm: LLM, temperature: float) -> None:
+    greedy = llm.generate([PROMPT], SamplingParams.greedy(8, ignore_eos=True))[0].token_ids
+    params = SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True)
+    assert params.is_greedy
+    assert llm.generate([PROMPT], params)[0].token_ids == greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", -math.inf),
+        ("temperature", -1e-40),
+        ("top_p", math.nan),
+        ("top_p", math.inf),
+        ("top_p", -0.5),
+        ("top_p", 1.5),
+        ("top_k", -5),
+        ("top_k", 2.5),
+        ("max_tokens", 0),
+        ("seed", 1.5),
+        ("stop_token_ids", (-1,)),
+    ],
+)
+def test_bad_value_is_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_sampler_never_raises_on_extreme_logits() -> None:
+    vocab = 16
+    rows = [
+        torch.full((vocab,), 3.4e38),  # overflows when divided by a small temperature
+        torch.tensor([1e30, -1e30] * (vocab // 2)),
+        torch.tensor([float("nan")] * vocab),
+        torch.tensor([float("inf"), 0.0] * (vocab // 2)),
+        torch.tensor([float("-inf")] * vocab),
+        torch.tensor([float("-inf")] * (vocab - 1) + [0.0]),
+    ]
+    logits = torch.stack(rows)
+    for params in (
+        SamplingParams(temperature=2e-5),
+        SamplingParams(temperature=1.0, top_p=1e-9, seed=1),
+        SamplingParams(temperature=1e30, top_k=3),
+    ):
+        ids = sample(logits, [params] * len(rows), [0] * len(rows))
+        assert all(isinstance(t, int) and 0 <= t < vocab for t in ids)
+    assert sample(logits[-1:], [SamplingParams(temperature=1.0)], [0]) == [vocab - 1]
+    bf16 = torch.tensor([[0.0, 50.0, 1.0]], dtype=torch.bfloat16)
+    assert sample(bf16, [SamplingParams(temperature=1e-4)], [0]) == [1]
