@@ -16,6 +16,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -67,6 +68,23 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+RETRY_AFTER_S = 1  # what a 503 from admission control asks the client to wait
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Admission control of one instance."""
+
+    max_inflight_requests: int = 1024  # requests held at once (0 = no limit); past it: 503 + Retry-After
+    max_queue_wait_s: float | None = None  # no first token after this long: aborted, 503 (None = no deadline)
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_requests < 0:
+            raise ValueError(f"max_inflight_requests must be >= 0, got {self.max_inflight_requests}")
+        if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
+
+
 class ServerState:
     """What the routes share: the engine, its start thread, the names it is served under, in-flight ids."""
 
@@ -75,8 +93,11 @@ class ServerState:
         engine: EngineClient,
         served_model_names: list[str] | None,
         on_start_failure: Callable[[BaseException], None],
+        limits: Limits,
     ) -> None:
         self.engine = engine
+        self.limits = limits
+        self.num_inflight = 0  # requests admitted and not closed yet (event loop only)
         self._served_model_names = served_model_names
         self.on_start_failure = on_start_failure
         self.start_error: BaseException | None = None
@@ -111,6 +132,16 @@ class ServerState:
             raise ApiError(404, f"the model `{requested}` does not exist; this server serves {names}")
         return requested or names[0]
 
+    def release(self) -> None:
+        self.num_inflight -= 1
+
+    def admit(self) -> None:
+        """Count one more request in flight, or refuse it with 503 when the instance is full."""
+        limit = self.limits.max_inflight_requests
+        if limit and self.num_inflight >= limit:
+            raise ApiError(503, f"server busy: {self.num_inflight} requests in flight (limit {limit}); retry later")
+        self.num_inflight += 1
+
     @staticmethod
     def new_request_id() -> str:
         """The engine's id for a new request: always the server's own (a client's X-Request-Id is logged and
@@ -124,10 +155,11 @@ def build_app(
     on_start_failure: Callable[[BaseException], None] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_key: str | None = None,
+    limits: Limits | None = None,
 ) -> FastAPI:
     """The app serving `engine` (an AsyncEngine, not started yet). `on_start_failure` is called from the
     engine-start thread if the model fails to load (the CLI uses it to stop the server)."""
-    state = ServerState(engine, served_model_names, on_start_failure or (lambda e: None))
+    state = ServerState(engine, served_model_names, on_start_failure or (lambda e: None), limits or Limits())
     registry = metrics.make_registry(engine.stats)
 
     @asynccontextmanager
@@ -147,7 +179,8 @@ def build_app(
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
         log.info("%s %s refused with %d: %s", request.method, request.url.path, exc.status, exc.message)
-        return error_response(exc.status, exc.message)
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return error_response(exc.status, exc.message, headers=retry)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -229,10 +262,15 @@ async def _answer(
     request_id = state.new_request_id()
     client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
     command = AddRequest(request_id, tuple(prompt_ids), params, body.kv_transfer_params, client_id)
+    state.admit()
     try:
-        run = RequestRun(engine, command, request)
-    except ValueError as e:  # the engine refused the input at once
-        raise ApiError(400, str(e)) from e
+        run = RequestRun(engine, command, request, state.limits.max_queue_wait_s)
+    except BaseException as e:
+        state.num_inflight -= 1
+        if isinstance(e, ValueError):  # the engine refused the input at once
+            raise ApiError(400, str(e)) from e
+        raise
+    run.on_close = state.release
     renderer = Renderer(kind, request_id, model, prompt_ids, body.return_token_ids, body.include_usage)
     headers = {REQUEST_ID_HEADER: client_id or request_id}
     handed_over = False  # True once a streaming response owns `run` (it closes it)

@@ -42,6 +42,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="refuse request bodies larger than this many MiB with HTTP 413 (default 32)",
     )
     g.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=1024,
+        help="requests this instance holds at once (running, queued or streaming); past it new requests get "
+        "HTTP 503 with Retry-After (default 1024; 0 = no limit)",
+    )
+    g.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=None,
+        help="a request that has not produced its first token after this many seconds is aborted and "
+        "answered 503 with Retry-After (default: no deadline)",
+    )
+    g.add_argument(
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on every route but /health (/v1/*, /metrics, /timeline, "
@@ -183,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.server.api import build_app
+    from pdserve.server.api import Limits, build_app
 
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -200,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         on_start_failure,
         max_body_bytes=int(args.max_body_mb * 2**20),
         api_key=args.api_key,
+        limits=Limits(args.max_inflight_requests, args.max_queue_wait_s),
     )
     t = config.transfer
     log.info(

@@ -7,6 +7,7 @@ a client that goes away never leaves blocks behind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -30,12 +31,14 @@ class RequestRun:
         engine: EngineClient,
         command: AddRequest,
         http_request: Request,
+        max_queue_wait_s: float | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = command.request_id
         self.client_request_id = command.client_request_id
         self.num_prompt_tokens = len(command.prompt_token_ids)
         self._gen = engine.generate(command)
+        self._max_queue_wait_s = max_queue_wait_s  # no first output by then: abort, 503
         self._http = http_request
         self.last: RequestOutput | None = None  # the latest output seen
         self._arrival = time.perf_counter()
@@ -61,7 +64,10 @@ class RequestRun:
     async def first(self) -> RequestOutput | None:
         """The first output, watching for a disconnect; the engine's ValueError (bad input) becomes a 400."""
         try:
-            return await race_disconnect(self._next(), self._http)
+            return await race_disconnect(asyncio.wait_for(self._next(), self._max_queue_wait_s), self._http)
+        except TimeoutError as e:
+            self.status = 503
+            raise ApiError(503, f"server busy: no first token within {self._max_queue_wait_s} s; retry later") from e
         except ValueError as e:
             self.status = 400
             raise ApiError(400, str(e)) from e

@@ -82,3 +82,36 @@ def test_hostile_request_ids_and_deep_json(keyed: tuple[Proc, Proc]) -> None:
     assert a.status_code == b.status_code == 200 and a.json()["id"] != b.json()["id"]
     m = wait_idle(inst.url, headers=AUTH)
     assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"]
+
+
+LONG_STREAM = {"prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}  # >= 240 engine steps
+
+
+def test_full_instance_answers_503_with_retry_after(fresh_launcher: Launcher, tiny_llama: Path) -> None:
+    inst = fresh_launcher.serve(tiny_llama, "--kv-role", "both", "--max-inflight-requests", "1")
+    fresh_launcher.wait_ready()
+    with httpx.stream("POST", inst.url + "/v1/completions", json=LONG_STREAM, timeout=60) as first:
+        lines = first.iter_lines()
+        assert next(lines).startswith("data: ")  # in flight until its stream is closed
+        refused = post(inst.url, "/v1/completions", {"prompt": "w", "max_tokens": 2})
+    assert refused.status_code == 503 and "in flight" in refused.text, refused.text
+    assert refused.headers["Retry-After"] == "1"
+    m = wait_idle(inst.url)
+    assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"]
+    assert post(inst.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_queue_wait_deadline_answers_503(fresh_launcher: Launcher, tiny_llama: Path) -> None:
+    """One sequence runs at a time: a request queued behind a long stream gets no first token within 50 ms."""
+    inst = fresh_launcher.serve(tiny_llama, "--kv-role", "both", "--max-num-seqs", "1", "--max-queue-wait-s", "0.05")
+    fresh_launcher.wait_ready()
+    with httpx.stream("POST", inst.url + "/v1/completions", json=LONG_STREAM, timeout=60) as first:
+        lines = first.iter_lines()
+        assert next(lines).startswith("data: ")  # running, and holding the only sequence slot
+        waited = post(inst.url, "/v1/completions", {"prompt": "y", "max_tokens": 2})
+        assert sum(1 for line in lines if line.startswith("data: {")) > 0  # the first stream is unharmed
+    assert waited.status_code == 503, waited.text
+    assert waited.headers["Retry-After"] == "1"
+    assert "no first token within 0.05 s" in waited.json()["error"]["message"]
+    m = wait_idle(inst.url)
+    assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"]
