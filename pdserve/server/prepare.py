@@ -23,7 +23,10 @@ def completion_prompt_ids(body: CompletionRequest, tokenizer: Any | None) -> lis
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer (dummy weights): send the prompt as token ids")
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = tokenizer.encode(prompt)
+        except Exception as e:  # e.g. a lone surrogate ("\ud800") the tokenizer cannot encode
+            raise ApiError(400, f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
     else:
         ids = list(prompt)
         if any(i < 0 for i in ids):
