@@ -29,7 +29,7 @@ demo: install
 	$(BIN)/pdserve demo
 
 lint: install
-	$(BIN)/ruff check pdserve tests && $(BIN)/ruff format --check pdserve tests
+	$(BIN)/ruff check pdserve tests && $(BIN)/ruff format --check pdserve tests && $(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache
