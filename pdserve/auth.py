@@ -1,0 +1,108 @@
+"""The deployment secret and what it signs: who may name which KV, and who may talk on the side channel.
+
+One secret per deployment (`--kv-auth-secret-file PATH` or `--kv-auth-secret VALUE` on every instance and on
+the router; `pdserve sweep` and `pdserve demo` generate one). With it:
+- **capabilities**: transfer coordinates in kv_transfer_params are issued, not trusted. P (pull) or the router
+  (push) signs what they name (engine id, request or transfer id, blocks, tokens, a digest of the prompt
+  tokens, an expiry) with HMAC-SHA256; an instance refuses params that are unsigned, altered, expired or
+  already used, before it allocates or dials anything;
+- **the side channel**: both ends prove they hold the secret (an HMAC over the other side's fresh nonce) before
+  any peer information is sent.
+Without a secret every instance accepts unsigned params and unauthenticated peers, and says so at startup.
+
+Pure Python (hmac, hashlib): the router imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+MAC_HEX_CHARS = 64  # HMAC-SHA256, hex
+NONCE_BYTES = 16
+DEFAULT_TTL_S = 600.0  # a capability is good for this long after it was issued
+MAX_CLOCK_SKEW_S = 60.0  # side-channel hellos older or newer than this are refused
+
+
+class AuthError(ValueError):
+    """A capability or a peer failed authentication (the message says which check, never the secret)."""
+
+
+def new_secret() -> str:
+    """A fresh deployment secret (what `pdserve sweep` / `demo` hand to every process they start)."""
+    return secrets.token_hex(32)
+
+
+def load_secret(value: str | None, file: str | None) -> bytes | None:
+    """The secret from a flag value or a file (first line, stripped); None when neither is given."""
+    if value and file:
+        raise ValueError("give the KV auth secret once: either a value or a file")
+    if file:
+        text = Path(file).read_text().strip()
+        if not text:
+            raise ValueError(f"KV auth secret file {file} is empty")
+        return text.encode()
+    if value:
+        return value.encode()
+    return None
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """A collision-resistant digest of a token sequence (binds a capability to the tokens whose KV it names)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"pdserve-prompt\0")
+    h.update(json.dumps(list(token_ids), separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def _canonical(purpose: str, fields: Sequence[object]) -> bytes:
+    return json.dumps([purpose, *fields], separators=(",", ":"), sort_keys=True).encode()
+
+
+class Signer:
+    """HMAC-SHA256 over (purpose, fields) with the deployment secret. Purposes keep signatures of one kind
+    from being accepted as another ("pull", "push", "side-channel-client", ...)."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("the KV auth secret must be at least 16 bytes")
+        self._key = secret
+
+    def sign(self, purpose: str, fields: Sequence[object]) -> str:
+        return hmac.new(self._key, _canonical(purpose, fields), hashlib.sha256).hexdigest()
+
+    def verify(self, purpose: str, fields: Sequence[object], mac: str) -> bool:
+        return hmac.compare_digest(self.sign(purpose, fields), mac)
+
+
+class ReplayGuard:
+    """Remembers MACs (or nonces) until their expiry so each is accepted once. Bounded: past `max_entries` the
+    oldest are dropped (they are also the first to expire). Single-threaded use per instance."""
+
+    def __init__(self, max_entries: int = 200_000) -> None:
+        self._seen: OrderedDict[str, float] = OrderedDict()  # key -> expiry (time.time())
+        self._max = max_entries
+
+    def first_use(self, key: str, expires_at: float, now: float | None = None) -> bool:
+        """True the first time `key` is presented (and records it); False on a replay."""
+        now = time.time() if now is None else now
+        while self._seen:
+            oldest, exp = next(iter(self._seen.items()))
+            if exp > now and len(self._seen) < self._max:
+                break
+            self._seen.popitem(last=False)
+        if key in self._seen:
+            return False
+        self._seen[key] = expires_at
+        return True
+
+
+def new_nonce() -> str:
+    return os.urandom(NONCE_BYTES).hex()
