@@ -20,6 +20,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.params import KVTransferParams
 
 IDLE_WAIT_S = 1.0  # nothing to do at all: wake up at least this often
 TRANSFER_WAIT_S = 0.05  # only transfers pending: a safety net; the transfer thread calls wakeup() on results
@@ -97,7 +98,7 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last has finished=True. Raises ValueError for bad input.
         Closing the generator early (client gone) aborts the request."""

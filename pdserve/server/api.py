@@ -46,6 +46,7 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.render import Kind, Renderer
 from pdserve.server.streams import RequestRun
+from pdserve.transfer.params import KVParamsError, decode
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -221,9 +222,13 @@ async def _answer(
     """Run one request on the engine and answer it, streaming or not."""
     engine = state.engine
     params = sampling_params(body, len(prompt_ids), engine.max_model_len, default_max_tokens)
+    try:
+        kv_params = decode(body.kv_transfer_params)  # parsed once, here; typed from now on
+    except KVParamsError as e:
+        raise ApiError(400, str(e)) from e
     request_id = state.new_request_id(request.headers.get(REQUEST_ID_HEADER))
     try:
-        run = RequestRun(engine, request_id, prompt_ids, params, body.kv_transfer_params, request)
+        run = RequestRun(engine, request_id, prompt_ids, params, kv_params, request)
     except ValueError as e:  # the engine refused the input at once
         state.inflight_ids.discard(request_id)
         raise ApiError(400, str(e)) from e

@@ -22,6 +22,7 @@ from pdserve.server.protocol import (
     Usage,
 )
 from pdserve.server.streams import RequestRun
+from pdserve.transfer.params import encode
 
 Kind = Literal["completion", "chat"]
 DONE = "data: [DONE]\n\n"
@@ -30,6 +31,11 @@ DONE = "data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying `payload` as JSON."""
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def kv_params(out: RequestOutput) -> dict[str, Any] | None:
+    """P's answer (the connector's, typed) as the response's kv_transfer_params JSON object."""
+    return None if out.kv_transfer_params is None else encode(out.kv_transfer_params)
 
 
 class Renderer:
@@ -72,12 +78,12 @@ class Renderer:
                 prompt_token_ids=prompt_ids,
                 token_ids=token_ids,
             )
-            body: Any = ChatCompletionResponse(choices=[choice], kv_transfer_params=out.kv_transfer_params, **common)
+            body: Any = ChatCompletionResponse(choices=[choice], kv_transfer_params=kv_params(out), **common)
         else:
             choice_c = CompletionChoice(
                 text=out.text, finish_reason=out.finish_reason, prompt_token_ids=prompt_ids, token_ids=token_ids
             )
-            body = CompletionResponse(choices=[choice_c], kv_transfer_params=out.kv_transfer_params, **common)
+            body = CompletionResponse(choices=[choice_c], kv_transfer_params=kv_params(out), **common)
         return body.model_dump(exclude_none=False)
 
     def chunk(
@@ -121,7 +127,7 @@ class Renderer:
                         message = out.error or f"request {run.request_id} was aborted by the engine"
                         yield sse(ErrorResponse.of(500, message).model_dump())
                     else:
-                        yield sse(self.chunk(delta, pending_ids, out.finish_reason, out.kv_transfer_params))
+                        yield sse(self.chunk(delta, pending_ids, out.finish_reason, kv_params(out)))
                         if self.include_usage:
                             yield sse(self.usage_chunk(out))
                     break

@@ -19,6 +19,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.disconnect import ClientDisconnected, race_disconnect
 from pdserve.server.protocol import ApiError
+from pdserve.transfer.params import KVTransferParams
 
 log = logging.getLogger("pdserve.server.requests")
 
@@ -32,7 +33,7 @@ class RequestRun:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None,
+        kv_transfer_params: KVTransferParams | None,
         http_request: Request,
     ) -> None:
         self.engine = engine

@@ -60,7 +60,10 @@ class KVParamsError(ValueError):
 
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(f"kv_transfer_params{'.' + key if key else ''}: {problem}")
-        self.key = key
+        self.key, self.problem = key, problem
+
+    def __reduce__(self) -> tuple[type[KVParamsError], tuple[str, str]]:  # picklable across processes
+        return KVParamsError, (self.key, self.problem)
 
 
 @dataclass(frozen=True)

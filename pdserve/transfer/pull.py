@@ -13,11 +13,11 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.transfer.agent import AgentError, PeerGone, Xfer
 from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask, StepMeta
 from pdserve.transfer.layout import LayoutError, descriptors, num_bytes, token_segments
+from pdserve.transfer.params import KVTransferParams, PullSource, RemoteDecode
 from pdserve.transfer.peers import Peer
 from pdserve.transfer.scheduler_base import SchedulerBase
 from pdserve.transfer.wire import Message, PullRelease, encode
@@ -31,54 +31,16 @@ MAX_EARLY_RELEASES = 4096  # releases that arrived before their SendTask (kept b
 
 class PullScheduler(SchedulerBase, ConnectorScheduler):
     def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: dict[str, Any] | None
-    ) -> tuple[bool, dict[str, Any] | None]:
-        self.forget(request_id)
-        if not (params and params.get("do_remote_decode")):
-            return False, None
-        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens, dict(params)))
-        return True, {
-            "do_remote_prefill": True,
-            "remote_engine_id": self.cfg.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": list(block_ids),
-            "remote_request_id": request_id,
-            "remote_num_tokens": num_tokens,
-            "remote_block_size": self.block_size,
-            "tp_size": self.tp_size,
-            "transfer_mode": "pull",
-        }
-
-
-@dataclass(frozen=True)
-class PullParams:
-    """D's view of P's answer (kv_transfer_params), validated."""
-
-    host: str
-    port: int
-    engine_id: str | None
-    block_ids: list[int]
-    request_id: str
-    num_tokens: int
-    block_size: int | None
-
-    @classmethod
-    def parse(cls, p: dict[str, Any]) -> PullParams:
-        mode = p.get("transfer_mode", "pull")
-        if mode != "pull":
-            raise ValueError(f"kv_transfer_params are for {mode} mode, this instance is in pull mode")
-        try:
-            ids = p["remote_block_ids"]
-            out = cls(str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"), ids,
-                      str(p["remote_request_id"]), int(p["remote_num_tokens"]), p.get("remote_block_size"))  # fmt: skip
-        except KeyError as e:
-            raise ValueError(f"kv_transfer_params lack {e} for a pull") from None
-        except (TypeError, ValueError) as e:  # the message names the bad value
-            raise ValueError(f"kv_transfer_params hold a malformed value for a pull: {e}") from None
-        if not isinstance(ids, list) or any(type(b) is not int for b in ids):
-            raise ValueError("kv_transfer_params remote_block_ids must be a list of ints")
-        return out
+        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
+    ) -> bool:
+        if not isinstance(params, RemoteDecode):
+            return False
+        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens))
+        self._answers[request_id] = PullSource(
+            self.host, self.port, self.cfg.engine_id, request_id, tuple(block_ids), num_tokens, self.block_size,
+            self.tp_size,
+        )  # fmt: skip
+        return True
 
 
 @dataclass
@@ -86,7 +48,7 @@ class _Read:
     """D: one request's pull, from handshake to READ done."""
 
     task: RecvTask
-    remote: PullParams
+    remote: PullSource
     state: str = "handshake"  # "handshake" -> "reading" (-> "staging": landed in the mirror, copy-in pending)
     peer: Peer | None = None
     xfer: Xfer | None = None
@@ -149,11 +111,9 @@ class PullCore:
 
     # ---- D side -----------------------------------------------------------------------------------------------------
     def _start(self, task: RecvTask, now: float) -> None:
-        rid = task.request_id
-        try:
-            remote = PullParams.parse(task.params)
-        except ValueError as e:
-            self.ctx.sink.recv_failed(rid, str(e))
+        rid, remote = task.request_id, task.source
+        if not isinstance(remote, PullSource):  # the scheduler half refuses other modes' params
+            self.ctx.sink.recv_failed(rid, "a pull instance was handed push parameters")
             return
         end = task.start_token + task.num_tokens
         if end > remote.num_tokens:

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Any
 
 from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask, StepMeta
+from pdserve.transfer.params import KVTransferParams, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
 from pdserve.transfer.push_recv import RecvSide
 from pdserve.transfer.push_send import SendSide
 from pdserve.transfer.scheduler_base import SchedulerBase
@@ -27,12 +28,11 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
         self._attempts: OrderedDict[str, int] = OrderedDict()  # D: transfer id -> last attempt number
         self._producing: dict[str, str] = {}  # P: request id -> transfer id, from arrival until finish or abort
 
-    def needs_remote_kv(self, request_id: str, params: dict[str, Any] | None) -> bool:
+    def needs_remote_kv(self, request_id: str, params: KVTransferParams | None) -> bool:
         # P: tell the transfer thread at arrival, so a registration for a queued prefill does not time out
-        if params and params.get("do_remote_decode") and params.get("transfer_id"):
-            tid = str(params["transfer_id"])
-            self._producing[request_id] = tid
-            self.meta.expected.append((request_id, tid))
+        if isinstance(params, RemoteDecode) and params.transfer_id is not None:
+            self._producing[request_id] = params.transfer_id
+            self.meta.expected.append((request_id, params.transfer_id))
         return super().needs_remote_kv(request_id, params)
 
     def on_request_aborted(self, request_id: str) -> None:
@@ -41,29 +41,29 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
             self.meta.abandoned.append(request_id)
 
     def recv_task(
-        self, request_id: str, block_ids: tuple[int, ...], start: int, num_tokens: int, params: dict[str, Any]
+        self, request_id: str, block_ids: tuple[int, ...], start: int, num_tokens: int, source: PullSource | PushSource
     ) -> RecvTask:
         # every allocation for a transfer id is a new attempt: data for an older one never lands in these blocks
-        tid = str(params.get("transfer_id"))
+        tid = source.transfer_id if isinstance(source, PushSource) else ""
         attempt = self._attempts.pop(tid, -1) + 1
         self._attempts[tid] = attempt
         while len(self._attempts) > MAX_ATTEMPT_IDS:
             self._attempts.popitem(last=False)
-        return RecvTask(request_id, block_ids, start, num_tokens, params, attempt)
+        return RecvTask(request_id, block_ids, start, num_tokens, source, attempt)
 
     def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: dict[str, Any] | None
-    ) -> tuple[bool, dict[str, Any] | None]:
-        self.forget(request_id)
+        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
+    ) -> bool:
         self._producing.pop(request_id, None)  # ends as the SendTask below (same transfer id)
-        if not (params and params.get("do_remote_decode")):
-            return False, None
-        tid = params.get("transfer_id")
-        if not tid:
+        if not isinstance(params, RemoteDecode):
+            return False
+        if params.transfer_id is None:
             log.warning("push: request %s has do_remote_decode but no transfer_id; not pinned", request_id)
-            return False, {"error": "push mode needs a transfer_id in kv_transfer_params"}
-        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens, dict(params)))
-        return True, {"transfer_id": tid, "transfer_mode": "push", "remote_engine_id": self.cfg.engine_id}
+            self._answers[request_id] = Refusal("push mode needs a transfer_id in kv_transfer_params")
+            return False
+        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens, params.transfer_id))
+        self._answers[request_id] = PushAnswer(params.transfer_id, self.cfg.engine_id)
+        return True
 
 
 class PushCore:

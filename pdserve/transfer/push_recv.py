@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.transfer.agent import AgentError, PeerGone
 from pdserve.transfer.base import RecvTask
+from pdserve.transfer.params import PushSource
 from pdserve.transfer.peers import Peer
 from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister, encode
 from pdserve.transfer.worker import TransferContext
@@ -37,32 +37,10 @@ KEEPALIVES_PER_TIMEOUT = 4  # P is asked for a PushQueued this many times per re
 MIN_KEEPALIVE_MS = 10
 
 
-@dataclass(frozen=True)
-class PushParams:
-    transfer_id: str
-    host: str
-    port: int
-    engine_id: str | None
-    num_producers: int  # P's tp size: completions to count
-
-    @classmethod
-    def parse(cls, p: dict[str, Any]) -> PushParams:
-        mode = p.get("transfer_mode", "push")
-        if mode != "push":
-            raise ValueError(f"kv_transfer_params are for {mode} mode, this instance is in push mode")
-        try:
-            return cls(str(p["transfer_id"]), str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"),
-                       int(p.get("tp_size", 1)))  # fmt: skip
-        except KeyError as e:
-            raise ValueError(f"kv_transfer_params lack {e} for a push") from None
-        except (TypeError, ValueError) as e:  # the message names the bad value
-            raise ValueError(f"kv_transfer_params hold a malformed value for a push: {e}") from None
-
-
 @dataclass
 class _Wait:
     task: RecvTask
-    remote: PushParams
+    remote: PushSource
     state: str = "handshake"  # handshake -> (delayed) -> registered -> (cancelling) -> (staging: copy-in pending)
     peer: Peer | None = None
     done_ranks: set[int] = field(default_factory=set)  # producers whose data landed
@@ -86,11 +64,9 @@ class RecvSide:
         self.by_key: dict[tuple[str, int], str] = {}  # (transfer id, attempt) -> request id
 
     def on_recv(self, task: RecvTask, now: float) -> None:
-        rid = task.request_id
-        try:
-            remote = PushParams.parse(task.params)
-        except ValueError as e:
-            self.ctx.sink.recv_failed(rid, str(e))
+        rid, remote = task.request_id, task.source
+        if not isinstance(remote, PushSource):  # the scheduler half refuses other modes' params
+            self.ctx.sink.recv_failed(rid, "a push instance was handed pull parameters")
             return
         w = _Wait(task, remote, alive_at=now)
         if w.key in self.by_key:
@@ -159,7 +135,7 @@ class RecvSide:
         if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
             rid, w = found
             w.fail_reason = w.fail_reason or f"prefill instance refused: {msg.reason}"
-            w.over_ranks.update(range(w.remote.num_producers))  # P's ranks fail together
+            w.over_ranks.update(range(w.remote.tp_size))  # P's ranks fail together
             self._maybe_over(rid, w)
 
     def on_ack(self, msg: PushCancelAck) -> None:
@@ -169,7 +145,7 @@ class RecvSide:
             self._maybe_over(rid, w)
 
     def _maybe_over(self, rid: str, w: _Wait) -> None:
-        n = w.remote.num_producers
+        n = w.remote.tp_size
         if w.state == "staging":
             return  # over already: the copy-in ends it
         if len(w.done_ranks) >= n and not w.over_ranks:

@@ -123,7 +123,8 @@ class SendSide:
             self._add_send(task, now)
 
     def _add_send(self, task: SendTask, now: float) -> None:
-        tid = str(task.params.get("transfer_id"))
+        tid = task.transfer_id
+        assert tid is not None  # the push scheduler half sends only tasks with a transfer id
         self._unexpect(task.request_id)
         r = self.rv.get(tid) or _Rendezvous(tid)
         if r.send is not None or r.writing or tid in self.finished:
