@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pdserve.transfer.agent import AgentError, PeerGone, Xfer
 from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask, StepMeta
+from pdserve.transfer.landing import land
 from pdserve.transfer.layout import LayoutError, descriptors, num_bytes, token_segments
 from pdserve.transfer.params import KVTransferParams, PullSource, RemoteDecode
 from pdserve.transfer.peers import Peer
@@ -176,26 +177,12 @@ class PullCore:
 
     def _landed(self, rid: str, rd: _Read) -> None:
         """The READ is DONE. Staging: the data is in the mirror; copy it into the KV cache before reporting."""
-        stager = self.ctx.stager
-        if stager is None or rd.cancelled:
+        if rd.cancelled:
             self._end(rid, rd, None)
             return
-        rd.state = "staging"
-        if stager.delay_in_s > 0:  # test hook
-            self.ctx.thread.call_at(time.monotonic() + stager.delay_in_s, lambda: self._stage_in(rid, rd))
-        else:
-            self._stage_in(rid, rd)
-
-    def _stage_in(self, rid: str, rd: _Read) -> None:
-        if self.reads.get(rid) is not rd:
-            return  # cancelled meanwhile (reported already)
-        assert self.ctx.stager is not None
-        try:
-            self.ctx.stager.stage_in(rd.task.block_ids, rd.task.start_token, rd.task.num_tokens)
-        except Exception as e:  # noqa: BLE001 - a failed copy fails this recv, not the thread
-            self._end(rid, rd, f"copy from the host staging buffer failed: {e}")
-            return
-        self._end(rid, rd, None)
+        if self.ctx.stager is not None:
+            rd.state = "staging"
+        land(self.ctx, rd.task, lambda: self.reads.get(rid) is rd, lambda error: self._end(rid, rd, error))
 
     def _end(self, rid: str, rd: _Read, error: str | None) -> None:
         """The recv is over and its blocks are safe: report it once, then free P's blocks."""

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from pdserve.transfer.agent import AgentError, PeerGone
 from pdserve.transfer.base import RecvTask
+from pdserve.transfer.faults import FaultPoint
+from pdserve.transfer.landing import land
 from pdserve.transfer.params import PushSource
 from pdserve.transfer.peers import Peer
 from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister, encode
@@ -85,12 +87,8 @@ class RecvSide:
             self._end(rid, w, "failed", f"handshake with {w.remote.host}:{w.remote.port} failed: {error}")
             return
         w.peer = peer
-        delay = self.ctx.cfg.debug_delay_register_s  # test hook: force the prefill-first order
-        if delay > 0:
-            w.state = "delayed"
-            self.ctx.thread.call_at(time.monotonic() + delay, lambda: self._register(rid, w))
-        else:
-            self._register(rid, w)
+        w.state = "delayed"  # until _register(): at once, unless a test delays it
+        self.ctx.cfg.faults.defer(FaultPoint.REGISTER, self.ctx.thread.call_at, lambda: self._register(rid, w))
 
     def _register(self, rid: str, w: _Wait) -> None:
         if self.waits.get(rid) is not w:
@@ -158,26 +156,13 @@ class RecvSide:
 
     def _landed(self, rid: str, w: _Wait) -> None:
         """Every producer's data landed. Staging: it is in the mirror; copy it into the KV cache first."""
-        stager = self.ctx.stager
-        if stager is None:
-            self._end(rid, w, "finished", "")
-            return
-        w.state = "staging"  # a cancel now ends the recv at once: nothing more lands, the copy is skipped
-        if stager.delay_in_s > 0:  # test hook
-            self.ctx.thread.call_at(time.monotonic() + stager.delay_in_s, lambda: self._stage_in(rid, w))
-        else:
-            self._stage_in(rid, w)
+        if self.ctx.stager is not None:
+            w.state = "staging"  # a cancel now ends the recv at once: nothing more lands, the copy is skipped
 
-    def _stage_in(self, rid: str, w: _Wait) -> None:
-        if self.waits.get(rid) is not w:
-            return
-        assert self.ctx.stager is not None
-        try:
-            self.ctx.stager.stage_in(w.task.block_ids, w.task.start_token, w.task.num_tokens)
-        except Exception as e:  # noqa: BLE001 - a failed copy fails this recv, not the thread
-            self._end(rid, w, "failed", f"copy from the host staging buffer failed: {e}")
-            return
-        self._end(rid, w, "finished", "")
+        def end(error: str | None) -> None:
+            self._end(rid, w, "finished" if error is None else "failed", error or "")
+
+        land(self.ctx, w.task, lambda: self.waits.get(rid) is w, end)
 
     # ---- timeouts and cancels ----------------------------------------------------------------------------------------
     def _timeout(self, rid: str, w: _Wait) -> None:

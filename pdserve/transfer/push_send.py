@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from pdserve.transfer.agent import AgentError, PeerGone, Xfer
 from pdserve.transfer.base import SendTask
+from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.layout import LayoutError, descriptors, token_segments
 from pdserve.transfer.peers import Peer
 from pdserve.transfer.wire import (
@@ -116,11 +117,8 @@ class SendSide:
 
     # ---- the finished prefill ---------------------------------------------------------------------------------------
     def on_send(self, task: SendTask, now: float) -> None:
-        delay = self.ctx.cfg.debug_delay_finish_s  # test hook: force the registration-first order
-        if delay > 0:
-            self.ctx.thread.call_at(now + delay, lambda: self._add_send(task, time.monotonic()))
-        else:
-            self._add_send(task, now)
+        self.ctx.cfg.faults.defer(FaultPoint.SEND_READY, self.ctx.thread.call_at,
+                                  lambda: self._add_send(task, time.monotonic()))  # fmt: skip
 
     def _add_send(self, task: SendTask, now: float) -> None:
         tid = task.transfer_id

@@ -131,7 +131,7 @@ class NixlWorker(ConnectorWorker):
 
     def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
         name = f"{self.cfg.engine_id}-r{spec.tp_rank}-{uuid.uuid4().hex[:8]}"
-        stager = make_stager(self.cfg.kv_buffer_device, kv_cache)
+        stager = make_stager(self.cfg.kv_buffer_device, kv_cache, self.cfg.faults)
         if stager is not None:  # NIXL, the layout and the handshake see the mirror, never the cache itself
             kv_cache, spec = stager.mirror, stager.spec(spec)
         agent = NixlAgent(name, kv_cache, spec)

@@ -24,10 +24,12 @@ import httpx
 import pytest
 from helpers import Launcher, Proc, post, scrape_metrics, wait_idle, wait_log_status
 
+from pdserve.transfer.faults import Faults
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny llama: layers x (K, V) x kv heads x head dim x float32
-DELAY_S = 1.0  # the debug-delay hooks
+DELAY_S = 1.0  # the test-only fault delays (P_delay's hand-over, D_rc's registration)
 SHORT_S = 2.0  # P_delay's registration timeout and lease; P_pull's and P_other's lease; D_pull's recv timeout
 RECV_TIMEOUT_S = 5.0  # D_push's and D_rc's receive timeout
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 6}
@@ -61,14 +63,14 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cl(launcher: Launcher, tiny_llama: Path, tiny_model_dirs: dict[str, Path]) -> Cluster:
-    def serve(name: str, *args: str, model: Path = tiny_llama) -> Proc:
-        return launcher.serve(model, "--num-gpu-blocks", "64", *args, name=name)
+    def serve(name: str, *args: str, model: Path = tiny_llama, faults: Faults | None = None) -> Proc:
+        return launcher.serve(model, "--num-gpu-blocks", "64", *args, name=name, faults=faults)
 
     pull, push = ["--kv-transfer", "pull"], ["--kv-transfer", "push"]
     p, d = ["--kv-role", "prefill"], ["--kv-role", "decode"]
-    short, recv, delay = str(SHORT_S), str(RECV_TIMEOUT_S), str(DELAY_S)
-    delayed_finish = ["--debug-delay-finish-s", delay, "--push-registration-timeout-s", short, "--kv-lease-s", short]
-    recompute = ["--debug-delay-register-s", delay, "--kv-load-failure-policy", "recompute"]
+    short, recv = str(SHORT_S), str(RECV_TIMEOUT_S)
+    delayed_finish = ["--push-registration-timeout-s", short, "--kv-lease-s", short]
+    recompute = ["--kv-load-failure-policy", "recompute"]
     cluster = Cluster(
         launcher,
         ref=serve("ref", "--kv-role", "both"),
@@ -76,9 +78,9 @@ def cl(launcher: Launcher, tiny_llama: Path, tiny_model_dirs: dict[str, Path]) -
         d_pull=serve("D_pull", *d, *pull, "--block-size", "32", "--kv-recv-timeout-s", short),
         p_other=serve("P_other", *p, *pull, "--kv-lease-s", short, model=tiny_model_dirs["mistral"]),
         p_push=serve("P_push", *p, *push, "--max-num-seqs", "1"),
-        p_delay=serve("P_delay", *p, *push, *delayed_finish),
+        p_delay=serve("P_delay", *p, *push, *delayed_finish, faults=Faults(delay_send_ready_s=DELAY_S)),
         d_push=serve("D_push", *d, *push, "--block-size", "32", "--kv-recv-timeout-s", recv),
-        d_rc=serve("D_rc", *d, *push, "--kv-recv-timeout-s", recv, *recompute),
+        d_rc=serve("D_rc", *d, *push, "--kv-recv-timeout-s", recv, *recompute, faults=Faults(delay_register_s=DELAY_S)),
         routers={},
     )
     launcher.wait_ready()
@@ -150,7 +152,7 @@ def test_prefix_hit_on_d_moves_only_the_suffix(cl: Cluster, mode: str) -> None:
     assert_all_free(p, d)
 
 
-# ---- both rendezvous orders, forced by the debug-delay flags -----------------------------------------------------
+# ---- both rendezvous orders, forced by test-only fault delays ----------------------------------------------------
 def test_registration_first_forced_by_delayed_finish(cl: Cluster) -> None:
     router = cl.router("push", cl.p_delay, cl.d_push)
     rid = f"regfirst-{uuid.uuid4().hex}"
