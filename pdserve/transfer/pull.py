@@ -9,17 +9,19 @@ D reports the recv first and releases after (measured on this machine: ~30 us vs
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pdserve.transfer.agent import AgentError, PeerGone, Xfer
+from pdserve.transfer.agent import AgentError, PeerGone, Xfer, XferState
 from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask, StepMeta
 from pdserve.transfer.landing import land
 from pdserve.transfer.layout import LayoutError, descriptors, num_bytes, token_segments
 from pdserve.transfer.params import KVTransferParams, PullSource, RemoteDecode
 from pdserve.transfer.peers import Peer
+from pdserve.transfer.results import SendOutcome
 from pdserve.transfer.scheduler_base import SchedulerBase
 from pdserve.transfer.wire import Message, PullRelease, encode
 from pdserve.transfer.worker import NixlWorker, TransferContext
@@ -44,13 +46,21 @@ class PullScheduler(SchedulerBase, ConnectorScheduler):
         return True
 
 
+class ReadState(enum.Enum):
+    """D: a pull's steps, in order (STAGING only with a host mirror)."""
+
+    HANDSHAKE = "handshake"  # waiting for P's handshake
+    READING = "reading"  # READ posted
+    STAGING = "staging"  # landed in the mirror; copy-in pending (nothing more lands)
+
+
 @dataclass
 class _Read:
     """D: one request's pull, from handshake to READ done."""
 
     task: RecvTask
     remote: PullSource
-    state: str = "handshake"  # "handshake" -> "reading" (-> "staging": landed in the mirror, copy-in pending)
+    state: ReadState = ReadState.HANDSHAKE
     peer: Peer | None = None
     xfer: Xfer | None = None
     cancelled: bool = False  # aborted by the engine: report as cancelled when the READ is over
@@ -79,7 +89,7 @@ class PullCore:
             log.warning("pull: ignoring %s from %s", type(msg).__name__, sender)
             return
         if self.pinned.pop(msg.request_id, None) is not None:
-            self.ctx.sink.send_finished(msg.request_id, "ok" if msg.ok else "failed", msg.num_bytes)
+            self.ctx.sink.send_finished(msg.request_id, SendOutcome.OK if msg.ok else SendOutcome.FAILED, msg.num_bytes)
             return
         self.early[msg.request_id] = msg
         while len(self.early) > MAX_EARLY_RELEASES:
@@ -87,19 +97,19 @@ class PullCore:
 
     def progress(self, now: float) -> bool:
         for rid, rd in list(self.reads.items()):
-            if rd.state == "reading":
+            if rd.state is ReadState.READING:
                 self._check(rid, rd)
         # P polls fast while it has pinned blocks: D's next READ after a release completes only once P polls
-        return bool(self.pinned) or any(rd.state == "reading" for rd in self.reads.values())
+        return bool(self.pinned) or any(rd.state is ReadState.READING for rd in self.reads.values())
 
     def in_flight(self) -> bool:
-        return any(rd.state == "reading" for rd in self.reads.values())
+        return any(rd.state is ReadState.READING for rd in self.reads.values())
 
     # ---- P side -----------------------------------------------------------------------------------------------------
     def _pin(self, send: SendTask, now: float) -> None:
         rid = send.request_id
         if (rel := self.early.pop(rid, None)) is not None:
-            self.ctx.sink.send_finished(rid, "ok" if rel.ok else "failed", rel.num_bytes)
+            self.ctx.sink.send_finished(rid, SendOutcome.OK if rel.ok else SendOutcome.FAILED, rel.num_bytes)
             return
         self.pinned[rid] = send
         self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire(rid, send))
@@ -108,13 +118,13 @@ class PullCore:
         if self.pinned.get(rid) is send:
             del self.pinned[rid]
             log.info("pull: lease of %s expired after %g s; freeing its blocks", rid, self.ctx.cfg.lease_s)
-            self.ctx.sink.send_finished(rid, "expired")
+            self.ctx.sink.send_finished(rid, SendOutcome.EXPIRED)
 
     # ---- D side -----------------------------------------------------------------------------------------------------
     def _start(self, task: RecvTask, now: float) -> None:
         rid, remote = task.request_id, task.source
-        if not isinstance(remote, PullSource):  # the scheduler half refuses other modes' params
-            self.ctx.sink.recv_failed(rid, "a pull instance was handed push parameters")
+        if not isinstance(remote, PullSource):  # a deployment mixing modes: fail it (the router's 502)
+            self.ctx.sink.recv_failed(rid, "kv_transfer_params are for push mode, this instance is in pull mode")
             return
         end = task.start_token + task.num_tokens
         if end > remote.num_tokens:
@@ -155,7 +165,7 @@ class PullCore:
                 self.ctx.peers.forget(peer)
             self._end(rid, rd, f"READ from {peer.engine_id} not posted: {e}")
             return
-        rd.state = "reading"
+        rd.state = ReadState.READING
         self.ctx.sink.event(rid, "transfer_posted", posted_wall)
         if num_bytes(self.ctx.layout, segs) != rd.xfer.num_bytes:  # a bug in layout.py, never the peer's fault
             log.error("pull: descriptor bytes %d != segment bytes", rd.xfer.num_bytes)
@@ -169,10 +179,10 @@ class PullCore:
             self.ctx.peers.forget(rd.peer)
             self._end(rid, rd, f"prefill instance {rd.peer.engine_id} went away during the READ: {e}")
             return
-        if state == "DONE":
+        if state is XferState.DONE:
             self.ctx.sink.event(rid, "transfer_done")
             self._landed(rid, rd)
-        elif state == "ERR":
+        elif state is XferState.ERR:
             self._end(rid, rd, f"READ from {rd.peer.engine_id} failed")
 
     def _landed(self, rid: str, rd: _Read) -> None:
@@ -181,7 +191,7 @@ class PullCore:
             self._end(rid, rd, None)
             return
         if self.ctx.stager is not None:
-            rd.state = "staging"
+            rd.state = ReadState.STAGING
         land(self.ctx, rd.task, lambda: self.reads.get(rid) is rd, lambda error: self._end(rid, rd, error))
 
     def _end(self, rid: str, rd: _Read, error: str | None) -> None:
@@ -209,10 +219,10 @@ class PullCore:
                 self.ctx.peers.forget(rd.peer)
 
     def _timeout(self, rid: str, rd: _Read) -> None:
-        if self.reads.get(rid) is not rd or rd.state == "staging":
+        if self.reads.get(rid) is not rd or rd.state is ReadState.STAGING:
             return
         timeout = self.ctx.cfg.recv_timeout_s
-        if rd.state == "handshake":
+        if rd.state is ReadState.HANDSHAKE:
             self._end(rid, rd, f"no handshake with {rd.remote.host}:{rd.remote.port} within {timeout:g} s")
         elif rd.xfer is not None and self.ctx.agent.abort(rd.xfer):
             self._end(rid, rd, f"READ not done within {timeout:g} s (cancelled)")
@@ -224,7 +234,10 @@ class PullCore:
         if rd is None:
             return  # already reported (finished or failed): the engine frees the blocks on that result
         rd.cancelled = True
-        if rd.state in ("handshake", "staging"):  # staging: the data is in the mirror, nothing more lands
+        if rd.state in (
+            ReadState.HANDSHAKE,
+            ReadState.STAGING,
+        ):  # staging: the data is in the mirror, nothing more lands
             self._end(rid, rd, None)
 
 

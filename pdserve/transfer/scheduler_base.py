@@ -6,15 +6,7 @@ from typing import Any
 
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import RecvTask, StepMeta
-from pdserve.transfer.params import (
-    TRANSFER_MODE,
-    KVAnswer,
-    KVParamsError,
-    KVTransferParams,
-    Mode,
-    PullSource,
-    PushSource,
-)
+from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
 
 class SchedulerBase:
@@ -23,7 +15,6 @@ class SchedulerBase:
 
     def __init__(self, cfg: TransferConfig, block_size: int, host: str, port: int, tp_size: int = 1) -> None:
         self.cfg = cfg
-        self.mode = Mode(cfg.mode)
         self.block_size = block_size
         self.host = host  # side channel address peers dial (the bound port, also when 0 was asked for)
         self.port = port
@@ -32,14 +23,9 @@ class SchedulerBase:
         self._answers: dict[str, KVAnswer] = {}  # P: request id -> its response's params, until take_answer()
 
     def needs_remote_kv(self, request_id: str, params: KVTransferParams | None) -> bool:
-        if not isinstance(params, PullSource | PushSource):
-            return False
-        mode = Mode.PULL if isinstance(params, PullSource) else Mode.PUSH
-        if mode is not self.mode:
-            raise KVParamsError(
-                TRANSFER_MODE, f"the params are for {mode.value} mode, this instance is in {self.mode.value} mode"
-            )
-        return True
+        # params of the other mode are a deployment's mistake, not the client's: the transfer thread fails
+        # the recv (a 500 naming both modes; the router's 502), as for any recv that cannot be served
+        return isinstance(params, PullSource | PushSource)
 
     def on_blocks_allocated(
         self,

@@ -1,10 +1,8 @@
 """Push's scheduler half (pure Python, no NIXL): P announces at arrival the transfers it will produce, and
 ends each with exactly one SendTask (finished) or one abandoned entry (aborted, failed)."""
 
-import pytest
-
 from pdserve.config import TransferConfig
-from pdserve.transfer.params import KVParamsError, Mode, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
+from pdserve.transfer.params import Mode, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
 from pdserve.transfer.push import PushScheduler
 
 
@@ -49,11 +47,13 @@ def test_decode_side_abort_before_allocation_leaves_nothing():
     assert not s.build_step_meta()
 
 
-def test_params_of_the_other_mode_are_refused_at_arrival():
+def test_params_of_the_other_mode_reach_the_transfer_thread():
+    """A deployment mixing modes fails there, naming both modes (a 500; the router's 502 names the leg)."""
     s = make()
-    with pytest.raises(KVParamsError, match="transfer_mode: the params are for pull mode, this instance is in push"):
-        s.needs_remote_kv("d", PullSource("h", 1, None, "r", (0,), 3, None))
-    assert not s.build_step_meta()
+    source = PullSource("h", 1, None, "r", (0,), 3, None)
+    assert s.needs_remote_kv("d", source)
+    s.on_blocks_allocated("d", [0], 0, 4, source)
+    assert s.build_step_meta().recvs[0].source == source
 
 
 def test_a_prefill_without_transfer_id_is_answered_with_a_refusal():
