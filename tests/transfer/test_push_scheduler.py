@@ -3,7 +3,7 @@ ends each with exactly one SendTask (finished) or one abandoned entry (aborted, 
 
 from pdserve.config import TransferConfig
 from pdserve.transfer.params import Mode, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
-from pdserve.transfer.push import PushScheduler
+from pdserve.transfer.scheduler.push import PushScheduler
 
 
 def make() -> PushScheduler:

@@ -24,14 +24,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pdserve.transfer.agent import AgentError, PeerGone
 from pdserve.transfer.base import RecvTask
 from pdserve.transfer.faults import FaultPoint
-from pdserve.transfer.landing import land
 from pdserve.transfer.params import PushSource
-from pdserve.transfer.peers import Peer
+from pdserve.transfer.thread.agent import AgentError, PeerGone
+from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.landing import land
+from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister, encode
-from pdserve.transfer.worker import TransferContext
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from pdserve.transfer.base import RecvTask
 from pdserve.transfer.faults import FaultPoint
-from pdserve.transfer.worker import TransferContext
+from pdserve.transfer.thread.context import TransferContext
 
 
 def land(

@@ -41,7 +41,7 @@ class Core(Protocol):
         ...
 
 
-class TransferThread:
+class TransferLoop:
     def __init__(self, name: str) -> None:
         self.name = name
         self._commands: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()

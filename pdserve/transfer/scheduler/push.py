@@ -1,7 +1,6 @@
-"""Push mode: D registers its blocks while P computes; P's transfer thread WRITEs when both are ready
-(DESIGN.md, "Push"). The scheduler half is here; the transfer-thread halves are push_send.py (P) and
-push_recv.py (D), joined by PushCore, which routes each StepMeta part and notification to its side.
-"""
+"""Push mode's scheduler half (engine thread; pure Python): P announces at arrival the transfers it will produce
+(StepMeta.expected) and ends each with one SendTask or one abandoned entry; D numbers each allocation for a
+transfer id as a new attempt, so data for an older attempt never lands in newer blocks."""
 
 from __future__ import annotations
 
@@ -9,13 +8,9 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask, StepMeta
+from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask
 from pdserve.transfer.params import KVTransferParams, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
-from pdserve.transfer.push_recv import RecvSide
-from pdserve.transfer.push_send import SendSide
-from pdserve.transfer.scheduler_base import SchedulerBase
-from pdserve.transfer.wire import Message, PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister
-from pdserve.transfer.worker import NixlWorker, TransferContext
+from pdserve.transfer.scheduler.base import SchedulerBase
 
 log = logging.getLogger(__name__)
 
@@ -64,51 +59,3 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
         self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens, params.transfer_id))
         self._answers[request_id] = PushAnswer(params.transfer_id, self.cfg.engine_id)
         return True
-
-
-class PushCore:
-    """Both push halves on the transfer thread (an instance may be a producer and a consumer at once)."""
-
-    def __init__(self, ctx: TransferContext) -> None:
-        self.send = SendSide(ctx)
-        self.recv = RecvSide(ctx)
-
-    def on_step(self, meta: StepMeta, now: float) -> None:
-        for rid, tid in meta.expected:  # before sends and abandons: a request may end in its arrival step
-            self.send.on_expect(rid, tid, now)
-        for s in meta.sends:
-            self.send.on_send(s, now)
-        for rid in meta.abandoned:
-            self.send.on_abandon(rid)
-        for r in meta.recvs:
-            self.recv.on_recv(r, now)
-        for rid in meta.cancels:
-            self.recv.on_cancel(rid)
-
-    def on_notif(self, sender: str, msg: Message, now: float) -> None:
-        if isinstance(msg, PushRegister):
-            self.send.on_register(sender, msg, now)
-        elif isinstance(msg, PushCancel):
-            self.send.on_cancel(sender, msg)
-        elif isinstance(msg, PushDone):
-            self.recv.on_done(msg)
-        elif isinstance(msg, PushFail):
-            self.recv.on_fail(msg)
-        elif isinstance(msg, PushQueued):
-            self.recv.on_queued(msg, now)
-        elif isinstance(msg, PushCancelAck):
-            self.recv.on_ack(msg)
-        else:
-            log.warning("push: ignoring %s from %s", type(msg).__name__, sender)
-
-    def progress(self, now: float) -> bool:
-        hot_send = self.send.progress(now)
-        return self.recv.progress(now) or hot_send
-
-    def in_flight(self) -> bool:
-        return self.send.in_flight()
-
-
-class PushWorker(NixlWorker):
-    def make_core(self, ctx: TransferContext) -> PushCore:
-        return PushCore(ctx)

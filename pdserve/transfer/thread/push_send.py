@@ -24,12 +24,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.transfer.agent import AgentError, PeerGone, Xfer, XferState
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.layout import LayoutError, descriptors, token_segments
-from pdserve.transfer.peers import Peer
-from pdserve.transfer.results import SendOutcome
+from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
+from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.peers import Peer
+from pdserve.transfer.thread.results import SendOutcome
 from pdserve.transfer.wire import (
     Message,
     PushCancel,
@@ -40,7 +41,6 @@ from pdserve.transfer.wire import (
     PushRegister,
     encode,
 )
-from pdserve.transfer.worker import TransferContext
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Pull mode: D READs P's pinned blocks after P has finished (DESIGN.md, "Pull").
+"""Pull mode on the transfer thread: D READs P's pinned blocks after P has finished (docs/architecture.md).
+The scheduler half is scheduler/pull.py.
 
 P (on_request_finished with do_remote_decode) pins the request's blocks under a lease and answers with its
 block coordinates; D handshakes with P once per address, READs the token range it lacks, reports the recv
@@ -15,35 +16,21 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pdserve.transfer.agent import AgentError, PeerGone, Xfer, XferState
-from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask, StepMeta
-from pdserve.transfer.landing import land
+from pdserve.transfer.base import RecvTask, SendTask, StepMeta
 from pdserve.transfer.layout import LayoutError, descriptors, num_bytes, token_segments
-from pdserve.transfer.params import KVTransferParams, PullSource, RemoteDecode
-from pdserve.transfer.peers import Peer
-from pdserve.transfer.results import SendOutcome
-from pdserve.transfer.scheduler_base import SchedulerBase
+from pdserve.transfer.params import PullSource
+from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
+from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.landing import land
+from pdserve.transfer.thread.peers import Peer
+from pdserve.transfer.thread.results import SendOutcome
+from pdserve.transfer.thread.worker import NixlWorker
 from pdserve.transfer.wire import Message, PullRelease, encode
-from pdserve.transfer.worker import NixlWorker, TransferContext
 
 log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 1.0  # a timed-out READ NIXL could not cancel is retried this often (blocks stay held)
 MAX_EARLY_RELEASES = 4096  # releases that arrived before their SendTask (kept briefly)
-
-
-class PullScheduler(SchedulerBase, ConnectorScheduler):
-    def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
-    ) -> bool:
-        if not isinstance(params, RemoteDecode):
-            return False
-        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens))
-        self._answers[request_id] = PullSource(
-            self.host, self.port, self.cfg.engine_id, request_id, tuple(block_ids), num_tokens, self.block_size,
-            self.tp_size,
-        )  # fmt: skip
-        return True
 
 
 class ReadState(enum.Enum):
