@@ -1,7 +1,7 @@
 """A thin wrapper over one NIXL agent: the only file that imports nixl.
 
 Not thread-safe (NIXL is not documented to be): after construction, only the transfer thread calls it.
-NIXL's own progress thread is off (it busy-spins a core; ../shared/NIXL.md), so the caller must keep
+NIXL's own progress thread is off (it busy-spins a core), so the caller must keep
 calling check() on posted transfers and notifications() every <= 1 ms. Every NIXL exception is turned
 into AgentError (PeerGone when NIXL reports the peer disconnected), never let through raw.
 """
