@@ -6,6 +6,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.transfer.faults import NO_FAULTS, Faults
+
 KVRole = Literal["prefill", "decode", "both"]
 TransferMode = Literal["pull", "push"]
 
@@ -78,8 +80,7 @@ class TransferConfig:
     push_registration_timeout_s: float = 30.0  # P drops a registration for a transfer it has no request for
     recv_timeout_s: float = 60.0  # D fails (or recomputes) a request whose KV has not landed by then
     load_failure_policy: Literal["fail", "recompute"] = "fail"
-    debug_delay_finish_s: float = 0.0  # test hook: P delays handing a finished prefill to the transfer thread
-    debug_delay_register_s: float = 0.0  # test hook: D delays sending its registration
+    faults: Faults = NO_FAULTS  # tests only (transfer/faults.py); no flag sets it
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):

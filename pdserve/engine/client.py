@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.params import KVTransferParams
 
 if TYPE_CHECKING:
     from pdserve.model.tokenizer import Tokenizer
@@ -26,7 +27,7 @@ class AddRequest:
     request_id: str  # the server's own id, unique among requests in flight on this instance
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None = None  # from the request body (P/D legs only)
+    kv_transfer_params: KVTransferParams | None = None  # parsed from the request body (P/D legs only)
     client_request_id: str | None = None  # the client's X-Request-Id: logs, echo and /timeline only
 
 

@@ -22,6 +22,7 @@ from pdserve.engine.text import TextTracker
 from pdserve.model.loader import load_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
+from pdserve.transfer.params import KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +76,16 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         client_request_id: str | None = None,
     ) -> None:
+        """Raises ValueError (KVParamsError for params the connector cannot serve) before anything is queued."""
         self.validate(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, kv_transfer_params)
         req.mark("arrival")
+        self.scheduler.add(req)
         self._timelines[request_id] = {
             "request_id": request_id,
             "client_request_id": client_request_id,
@@ -92,7 +95,6 @@ class LLMEngine:
         while len(self._timelines) > MAX_TIMELINES:
             self._timelines.popitem(last=False)
         self._text[request_id] = TextTracker(self.tokenizer, params.stop, req.prompt_token_ids)
-        self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
@@ -190,11 +192,9 @@ class LLMEngine:
         return outputs
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
-        params = self.scheduler.finish(req, reason, error)
+        self.scheduler.finish(req, reason, error)
         req.mark("finished")
-        out = self._output(req)
-        out.kv_transfer_params = params
-        return out
+        return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:
         new = req.output_token_ids[req.output_sent :]
@@ -211,6 +211,7 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             error=req.error,
             num_cached_tokens=req.num_cached_tokens,
+            kv_transfer_params=self.kv_scheduler.take_answer(req.request_id) if finished else None,
             timeline=req.timeline,
         )
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from pdserve.transfer.params import KVAnswer
 
 
 @dataclass
@@ -16,6 +17,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # set when finish_reason == "error"
-    kv_transfer_params: dict[str, Any] | None = None  # P: where D finds this request's KV
+    kv_transfer_params: KVAnswer | None = None  # P, finished: where D finds this request's KV (the connector's answer)
     num_cached_tokens: int = 0  # prompt tokens served from the local prefix cache or received remotely
     timeline: dict[str, float] = field(default_factory=dict)  # event name -> time.time()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
@@ -23,7 +23,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # parsed at the HTTP edge; the one copy on this instance
     arrival_time: float = field(default_factory=time.time)
 
     status: RequestStatus = RequestStatus.WAITING

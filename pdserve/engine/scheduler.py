@@ -16,6 +16,7 @@ from pdserve.engine.block_pool import BlockPool, hash_block
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import ConnectorScheduler
+from pdserve.transfer.params import PullSource, PushSource
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Scheduler:
 
     # ---- life cycle -------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        """Queue a new request; raises KVParamsError (nothing queued) for params the connector cannot serve."""
         req.needs_remote_kv = self.connector.needs_remote_kv(req.request_id, req.kv_transfer_params)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -67,8 +69,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, req: Request, reason: str, error: str | None = None) -> dict | None:
-        """End a request; returns kv_transfer_params for its response (P side). Frees or pins its blocks."""
+    def finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End a request: free its blocks, or pin them (P) while the connector hands its KV over."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
@@ -77,9 +79,9 @@ class Scheduler:
             raise RuntimeError("finish a request waiting for KV through abort()")
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         self.requests.pop(req.request_id, None)
-        keep, params = False, None
+        keep = False
         if reason in ("stop", "length"):
-            keep, params = self.connector.on_request_finished(
+            keep = self.connector.on_request_finished(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, req.kv_transfer_params
             )
         else:  # abort or error: nothing to hand over (push: P refuses D's registration at once)
@@ -88,7 +90,6 @@ class Scheduler:
             self.pinned[req.request_id] = req
         else:
             self._free_blocks(req)
-        return params
 
     def abort(self, request_id: str) -> Request | None:
         """Abort an unfinished request; a request whose KV is in flight keeps its blocks until the worker
@@ -284,11 +285,14 @@ class Scheduler:
         if not self._allocate_to(req, req.num_prompt_tokens):
             self._free_blocks(req)
             return False
+        source = req.kv_transfer_params
+        if not isinstance(source, PullSource | PushSource):
+            raise RuntimeError(f"request {req.request_id} waits for remote KV without a source in its params")
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_kv[req.request_id] = req
         self.connector.on_blocks_allocated(
-            req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens
+            req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens, source
         )
         return True
 

@@ -28,6 +28,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.policy import Lease, Pool
 from pdserve.router.upstream import LegError, get_json, open_stream, post_json
+from pdserve.transfer.params import (
+    KVParamsError,
+    Mode,
+    PullSource,
+    PushSource,
+    Refusal,
+    RemoteDecode,
+    decode_answer,
+    encode,
+)
 from pdserve.web import REQUEST_ID_HEADER, ClientDisconnected, error_body, race_disconnect, until_disconnect
 
 log = logging.getLogger(__name__)
@@ -95,26 +105,30 @@ class Orchestrator:
         p = self.prefill.choose()
         call.prefill_url = p.url
         with self.prefill.lease(p):
-            body = prefill_body(call.body, {"do_remote_decode": True})
+            body = prefill_body(call.body, encode(RemoteDecode(None, None)))
             answer = await race_disconnect(
                 post_json(self.session, "prefill", p.url, call.path, body, call.headers), call.http
             )
-        kv = answer.get("kv_transfer_params")
-        if kv and not (isinstance(kv, dict) and kv.get("do_remote_prefill")):  # P could not hand over (a push P)
-            reason = kv.get("error") if isinstance(kv, dict) else None
+        raw = answer.get("kv_transfer_params")
+        try:
+            kv = decode_answer(raw)
+        except KVParamsError as e:
+            raise LegError("prefill", p.url, f"prefill instance {p.url} answered malformed params: {e}") from e
+        if kv is not None and not isinstance(kv, PullSource):  # P could not hand over (a push P)
+            reason = kv.error if isinstance(kv, Refusal) else raw
             raise LegError(
                 "prefill",
                 p.url,
-                f"prefill instance {p.url} did not hand over its KV ({reason or kv}); "
+                f"prefill instance {p.url} did not hand over its KV ({reason}); "
                 "this router runs in pull mode: start the instances with --kv-transfer pull",
             )
-        if not kv:
+        if kv is None:
             log.warning(
                 "request %s: prefill %s returned no kv_transfer_params; decode will prefill", call.request_id, p.url
             )
         d = self.decode.choose()
         call.decode_url = d.url
-        d_body = {**call.body, "kv_transfer_params": kv}
+        d_body = {**call.body, "kv_transfer_params": None if kv is None else encode(kv)}
         if not call.is_stream:
             with self.decode.lease(d):
                 answer = await race_disconnect(
@@ -138,19 +152,11 @@ class Orchestrator:
         call.prefill_url, call.decode_url = p.url, d.url
         info = await race_disconnect(self.prefill_info(p.url), call.http)
         transfer_id = uuid.uuid4().hex
-        p_body = prefill_body(
-            call.body, {"do_remote_decode": True, "transfer_id": transfer_id, "transfer_mode": "push"}
+        p_body = prefill_body(call.body, encode(RemoteDecode(Mode.PUSH, transfer_id)))
+        source = PushSource(
+            transfer_id, info["side_channel_host"], info["side_channel_port"], info["engine_id"], info.get("tp_size", 1)
         )
-        d_kv = {
-            "do_remote_prefill": True,
-            "transfer_id": transfer_id,
-            "remote_engine_id": info["engine_id"],
-            "remote_host": info["side_channel_host"],
-            "remote_port": info["side_channel_port"],
-            "tp_size": info.get("tp_size", 1),
-            "transfer_mode": "push",
-        }
-        d_body = {**call.body, "kv_transfer_params": d_kv}
+        d_body = {**call.body, "kv_transfer_params": encode(source)}
         p_task = asyncio.create_task(self._leased(self.prefill.lease(p), p_body, call, "prefill"))
         d_lease = self.decode.lease(d)
         opener = open_stream if call.is_stream else post_json

@@ -45,6 +45,7 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.render import Kind, Renderer
 from pdserve.server.streams import RequestRun
+from pdserve.transfer.params import KVParamsError, decode
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
@@ -261,7 +262,11 @@ async def _answer(
     params = sampling_params(body, len(prompt_ids), engine.info.max_model_len, default_max_tokens)
     request_id = state.new_request_id()
     client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
-    command = AddRequest(request_id, tuple(prompt_ids), params, body.kv_transfer_params, client_id)
+    try:
+        kv_params = decode(body.kv_transfer_params)  # parsed once, here; typed from now on
+    except KVParamsError as e:
+        raise ApiError(400, str(e)) from e
+    command = AddRequest(request_id, tuple(prompt_ids), params, kv_params, client_id)
     state.admit()
     try:
         run = RequestRun(engine, command, request, state.limits.max_queue_wait_s)

@@ -9,6 +9,7 @@ import sys
 
 from pdserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from pdserve.server.kv_transfer_config import parse_kv_transfer_config
+from pdserve.transfer.faults import NO_FAULTS, Faults
 
 log = logging.getLogger("pdserve.server")
 
@@ -135,14 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='vLLM\'s JSON form, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\' '
         "(NixlConnector = pull, NixlPushConnector = push; kv_producer/kv_consumer/kv_both)",
     )
-    g.add_argument(
-        "--debug-delay-finish-s", type=float, default=0.0, help="test hook: P delays handing over a finished prefill"
-    )
-    g.add_argument("--debug-delay-register-s", type=float, default=0.0, help="test hook: D delays its registration")
 
 
-def build_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from parsed flags; raises ConfigError naming the bad value."""
+def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> EngineConfig:
+    """EngineConfig from parsed flags (and a test's faults); raises ConfigError naming the bad value."""
     transfer = parse_kv_transfer_config(args.kv_transfer_config) if args.kv_transfer_config else {}
     flags = {
         "role": args.kv_role,
@@ -155,11 +152,9 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
         "push_registration_timeout_s": args.push_registration_timeout_s,
         "recv_timeout_s": args.kv_recv_timeout_s,
         "load_failure_policy": args.kv_load_failure_policy,
-        "debug_delay_finish_s": args.debug_delay_finish_s or None,
-        "debug_delay_register_s": args.debug_delay_register_s or None,
     }
     transfer.update({k: v for k, v in flags.items() if v is not None})
-    transfer_config = TransferConfig(**transfer)
+    transfer_config = TransferConfig(**transfer, faults=faults)
     num_threads = args.num_threads if args.num_threads is not None else default_num_threads(transfer_config.role)
     if num_threads < 1:
         raise ConfigError(f"--num-threads must be >= 1, got {num_threads}")
@@ -184,12 +179,13 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
+    """Serve until stopped. `faults` is for tests only (tests/e2e/serve_with_faults.py)."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     try:
-        config = build_config(args)
+        config = build_config(args, faults)
     except (ConfigError, ValueError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2

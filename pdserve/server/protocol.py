@@ -43,7 +43,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: add prompt_token_ids and token_ids to each choice
-    kv_transfer_params: dict[str, Any] | None = None  # P/D coordinates, passed to the engine as is
+    kv_transfer_params: dict[str, Any] | None = None  # P/D coordinates: parsed by transfer/params.py in api.py
 
     @property
     def include_usage(self) -> bool:

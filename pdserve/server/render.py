@@ -21,6 +21,7 @@ from pdserve.server.protocol import (
     Usage,
 )
 from pdserve.server.streams import RequestRun
+from pdserve.transfer.params import encode
 from pdserve.web import error_body
 
 Kind = Literal["completion", "chat"]
@@ -30,6 +31,11 @@ DONE = "data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying `payload` as JSON."""
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def kv_params(out: RequestOutput) -> dict[str, Any] | None:
+    """P's answer (the connector's, typed) as the response's kv_transfer_params JSON object."""
+    return None if out.kv_transfer_params is None else encode(out.kv_transfer_params)
 
 
 class Renderer:
@@ -77,7 +83,7 @@ class Renderer:
                 model=self.model,
                 usage=usage,
                 choices=[choice],
-                kv_transfer_params=out.kv_transfer_params,
+                kv_transfer_params=kv_params(out),
             )
         else:
             choice_c = CompletionChoice(
@@ -88,7 +94,7 @@ class Renderer:
                 model=self.model,
                 usage=usage,
                 choices=[choice_c],
-                kv_transfer_params=out.kv_transfer_params,
+                kv_transfer_params=kv_params(out),
             )
         return body.model_dump(exclude_none=False)
 
@@ -133,7 +139,7 @@ class Renderer:
                         message = out.error or f"request {run.request_id} was aborted by the engine"
                         yield sse(error_body(500, message))
                     else:
-                        yield sse(self.chunk(delta, pending_ids, out.finish_reason, out.kv_transfer_params))
+                        yield sse(self.chunk(delta, pending_ids, out.finish_reason, kv_params(out)))
                         if self.include_usage:
                             yield sse(self.usage_chunk(out))
                     break

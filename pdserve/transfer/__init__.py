@@ -1,24 +1,35 @@
 """KV-cache transfer between a prefill (P) and a decode (D) instance over NIXL, in pull or push mode.
 
 Entry point: `factory.make_connectors(cfg, block_size) -> (ConnectorScheduler, ConnectorWorker)`; the
-contract is base.py. This package never imports the engine (DESIGN.md).
+contract is base.py. This package never imports the engine or the server.
 
-Files, one concept each:
+Files, laid out by thread. Shared and pure (no torch, numpy or nixl):
   base.py            the contract: KVCacheSpec, RecvTask, SendTask, StepMeta, TransferResults, the two ABCs
+  params.py          kv_transfer_params: vLLM's key names, one decode (at the HTTP edge) and one encode, typed
+                     values (RemoteDecode, PullSource, PushSource; P's answers PushAnswer, Refusal)
+  wire.py            every side-channel/notification message (WIRE_VERSION, encode/decode, compatibility hash)
+  faults.py          test-only Faults (delays, switches) and its one defer() helper; NO_FAULTS in production
   factory.py         make_connectors(): Nop for kv role "both", else pull or push (binds the side channel)
-  scheduler_base.py  what pull's and push's scheduler halves share (engine thread; pure Python)
-  pull.py / push.py  the scheduler halves and workers of each mode; push_send.py (P) and push_recv.py (D)
-                     are push's transfer-thread halves
+  nop.py             both halves for kv role "both"
+scheduler/ — the engine thread's halves (pure Python; tests/transfer/test_layers.py checks it):
+  base.py            what pull's and push's scheduler halves share: RecvTasks, StepMeta, P's answers
+  pull.py / push.py  PullScheduler / PushScheduler
+thread/ — the transfer thread (and the side-channel thread):
+  loop.py            TransferLoop: the transfer thread itself; owns the agent, runs commands, timers and polling
   worker.py          NixlWorker: the ConnectorWorker both modes share; the side-channel request handler
-  writer.py          the transfer thread: owns the agent, runs commands, timers and polling
+  context.py         TransferContext (what a mode's core works with) and the ModeCore protocol
+  pull.py            PullCore (P's pins and leases, D's READs) and PullWorker
+  push.py            PushCore (routes to push_send.py, P's rendezvous and WRITE, and push_recv.py, D's
+                     registration and completions) and PushWorker
+  landing.py         D, both modes: what happens once a recv's KV landed (staging copy-in, then report)
   agent.py           the only file that imports nixl; errors become AgentError / PeerGone
   handshake.py       the side channel: TCP + msgpack frames, one asyncio thread, server and client
   peers.py           handshake cache per address, loaded remote agents, liveness probes
+  results.py         thread-safe hand-back of results, events and counters to the engine
+Kept at the top for now (being reworked for a block-major cache):
   layout.py          block ids + token range -> merged byte regions, block-size translation (pure math)
   staging.py         kv_buffer_device "cpu": a pinned host mirror NIXL moves instead of a CUDA cache, block-id
                      copies on a dedicated stream (P: before D can read / before the WRITE; D: before finished)
-  wire.py            every message (WIRE_VERSION, encode/decode, compatibility hash and refusal text)
-  results.py         thread-safe hand-back of results, events and counters to the engine
 
 Threads per instance: the engine thread (scheduler half; worker's submit/poll_results), the transfer
 thread (every NIXL call), the side-channel thread (handshakes). Start: transfer thread, side channel;

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -64,7 +66,7 @@ class RecvTask:
     block_ids: tuple[int, ...]  # local blocks covering tokens [0, start_token + num_tokens), in order
     start_token: int  # tokens before this are already local (D's prefix cache); block aligned
     num_tokens: int  # tokens to receive; may be 0 (then only the producer is told to release)
-    params: dict[str, Any]  # kv_transfer_params from the router (remote coordinates, transfer_id, ...)
+    source: PullSource | PushSource  # where the KV comes from (the request's parsed kv_transfer_params)
     attempt: int = 0  # push: registration attempt; a new attempt never receives an older attempt's data
 
 
@@ -75,7 +77,7 @@ class SendTask:
     request_id: str
     block_ids: tuple[int, ...]  # blocks covering tokens [0, num_tokens), in order
     num_tokens: int
-    params: dict[str, Any]  # kv_transfer_params of the request (push: transfer_id)
+    transfer_id: str | None = None  # push: pairs this prefill with D's registration
 
 
 @dataclass
@@ -125,25 +127,37 @@ class TransferStats:
 class ConnectorScheduler(ABC):
     """Scheduler half. Invariants: called only from the engine thread; never blocks; never does I/O.
     Every request it is told about ends in exactly one of: finished send, finished/failed/cancelled recv,
-    or (when it needs nothing) no task at all."""
+    or (when it needs nothing) no task at all. The request (the engine's) owns its kv_transfer_params and
+    passes them in; this half keeps no copy of them."""
 
     @abstractmethod
-    def needs_remote_kv(self, request_id: str, params: dict[str, Any] | None) -> bool:
+    def needs_remote_kv(self, request_id: str, params: KVTransferParams | None) -> bool:
         """A new request arrived; True if its prompt KV comes from a remote prefill (D side). Called for every
-        request, so a P side learns here which transfers it will produce."""
+        request, so a P side learns here which transfers it will produce. Raises KVParamsError (a ValueError:
+        the request is refused before anything is allocated) for params this instance cannot serve."""
 
     @abstractmethod
     def on_blocks_allocated(
-        self, request_id: str, block_ids: list[int], num_local_tokens: int, num_prompt_tokens: int
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_local_tokens: int,
+        num_prompt_tokens: int,
+        source: PullSource | PushSource,
     ) -> None:
-        """D: blocks for the whole prompt are allocated; tokens [0, num_local_tokens) hit D's prefix cache."""
+        """D: blocks for the whole prompt are allocated; tokens [0, num_local_tokens) hit D's prefix cache;
+        source is the request's params for which needs_remote_kv() returned True."""
 
     @abstractmethod
     def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: dict[str, Any] | None
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """A request finished. Returns (keep its blocks pinned until a finished send, kv_transfer_params for
-        the response)."""
+        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
+    ) -> bool:
+        """A request finished. Returns True to keep its blocks pinned until a finished send."""
+
+    @abstractmethod
+    def take_answer(self, request_id: str) -> KVAnswer | None:
+        """P: the kv_transfer_params for a finished request's response (asked once, after
+        on_request_finished); None when it has none."""
 
     @abstractmethod
     def on_request_aborted(self, request_id: str) -> None:

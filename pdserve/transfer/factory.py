@@ -15,13 +15,15 @@ def make_connectors(
     cannot; the worker serves it from start() and closes it in shutdown()."""
     if cfg.role == "both":
         return NopScheduler(block_size), NopWorker()
-    from pdserve.transfer.handshake import SideChannel
+    from pdserve.transfer.thread.handshake import SideChannel
 
     side = SideChannel(cfg.side_channel_host, cfg.side_channel_port)
     if cfg.mode == "pull":
-        from pdserve.transfer.pull import PullScheduler, PullWorker
+        from pdserve.transfer.scheduler.pull import PullScheduler
+        from pdserve.transfer.thread.pull import PullWorker
 
         return PullScheduler(cfg, block_size, side.host, side.port, tp_size), PullWorker(cfg, side)
-    from pdserve.transfer.push import PushScheduler, PushWorker
+    from pdserve.transfer.scheduler.push import PushScheduler
+    from pdserve.transfer.thread.push import PushWorker
 
     return PushScheduler(cfg, block_size, side.host, side.port, tp_size), PushWorker(cfg, side)

@@ -13,24 +13,33 @@ from pdserve.transfer.base import (
     TransferResults,
     TransferStats,
 )
+from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
 
 class NopScheduler(ConnectorScheduler):
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def needs_remote_kv(self, request_id: str, params: dict[str, Any] | None) -> bool:
+    def needs_remote_kv(self, request_id: str, params: KVTransferParams | None) -> bool:
         return False
 
     def on_blocks_allocated(
-        self, request_id: str, block_ids: list[int], num_local_tokens: int, num_prompt_tokens: int
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_local_tokens: int,
+        num_prompt_tokens: int,
+        source: PullSource | PushSource,
     ) -> None:
         raise RuntimeError("a colocated instance never waits for remote KV")
 
     def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: dict[str, Any] | None
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return False, None
+        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
+    ) -> bool:
+        return False
+
+    def take_answer(self, request_id: str) -> KVAnswer | None:
+        return None
 
     def on_request_aborted(self, request_id: str) -> None:
         pass

@@ -16,24 +16,20 @@ stream and are synchronized before anyone may rely on them:
   reported finished. Nothing the transfer writes touches the KV cache before that.
 Pinned blocks (P) and blocks awaiting KV (D) are used by no one else, so their mirror blocks are too.
 
-Cache already on the CPU: "cpu" registers the cache in place (no stager), unless PDSERVE_FORCE_KV_STAGING=1
-(a private test switch: a plain host mirror, so CPU tests exercise the copies and their moment).
-PDSERVE_DEBUG_STAGE_IN_DELAY_S (test hook) delays D's copy-in after the data landed.
+Cache already on the CPU: "cpu" registers the cache in place (no stager), unless a test's Faults has
+force_staging (a plain host mirror, so CPU tests exercise the copies and their moment).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pdserve.transfer.base import KVCacheSpec
-
-FORCE_ENV = "PDSERVE_FORCE_KV_STAGING"
-DELAY_ENV = "PDSERVE_DEBUG_STAGE_IN_DELAY_S"
+from pdserve.transfer.faults import NO_FAULTS, Faults
 
 
 def token_blocks(block_ids: Sequence[int], block_size: int, start: int, num_tokens: int) -> list[tuple[int, int, int]]:
@@ -61,7 +57,6 @@ class Stager:
         self.block_size = kv_cache.shape[3]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._ready: Any = None  # push: the newest CUDA event recorded on the engine's stream by submit()
-        self.delay_in_s = float(os.environ.get(DELAY_ENV, "0") or 0)
 
     def spec(self, spec: KVCacheSpec) -> KVCacheSpec:
         """What NIXL registers and the handshake describes: the mirror."""
@@ -125,11 +120,11 @@ class Stager:
         self.stream.synchronize()
 
 
-def make_stager(kv_buffer_device: str, kv_cache: Any) -> Stager | None:
+def make_stager(kv_buffer_device: str, kv_cache: Any, faults: Faults = NO_FAULTS) -> Stager | None:
     """A Stager when transfers must go through host memory, else None (register the KV cache in place)."""
     if not isinstance(kv_cache, torch.Tensor):
         return None
-    if os.environ.get(FORCE_ENV) == "1":
+    if faults.force_staging:
         return Stager(kv_cache)
     if kv_buffer_device == "cpu" and kv_cache.device.type == "cuda":
         return Stager(kv_cache)

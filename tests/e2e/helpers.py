@@ -28,6 +28,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from pdserve.transfer.faults import Faults
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_READY_TIMEOUT_S = 180.0  # model load on a busy 2-core machine, torch import included
 
@@ -97,11 +99,18 @@ class Launcher:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close(dump_logs=exc_type is not None)
 
-    def start(self, name: str, argv: list[str], port: int, ready_statuses: tuple[int, ...] = (200,)) -> Proc:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        port: int,
+        ready_statuses: tuple[int, ...] = (200,),
+        program: tuple[str, ...] = ("-m", "pdserve.cli"),
+    ) -> Proc:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "wb") as log_file:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.cli", *argv],
+                [sys.executable, *program, *argv],
                 cwd=REPO_ROOT,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -113,17 +122,20 @@ class Launcher:
         self.procs.append(proc)
         return proc
 
-    def serve(self, model: str | Path, *args: str, name: str | None = None) -> Proc:
+    def serve(self, model: str | Path, *args: str, name: str | None = None, faults: Faults | None = None) -> Proc:
         """`pdserve serve MODEL` on a free port, free side-channel port, one torch thread, a small KV cache
-        (each overridable through `args`)."""
+        (each overridable through `args`); with `faults`, through serve_with_faults.py (test-only faults)."""
         port = free_port()
-        argv = ["serve", str(model), "--port", str(port)]
+        argv = [str(model), "--port", str(port)]
         defaults = {"--kv-side-channel-port": "0", "--num-threads": "1", "--num-gpu-blocks": "128"}
         for flag, value in defaults.items():
             if flag not in args:
                 argv += [flag, value]
         argv += list(args)
-        return self.start(name or f"serve-{port}", argv, port)
+        if faults is None:
+            return self.start(name or f"serve-{port}", ["serve", *argv], port)
+        program = (str(Path(__file__).with_name("serve_with_faults.py")), faults.to_json())
+        return self.start(name or f"serve-{port}", argv, port, program=program)
 
     def proxy(
         self,

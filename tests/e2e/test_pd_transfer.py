@@ -1,5 +1,5 @@
 """P/D edges over real processes that test_router.py does not reach: D's prefix-cache hit (only the suffix
-moves), both push rendezvous orders forced through the debug-delay flags, each timeout freeing its blocks
+moves), both push rendezvous orders forced through test-only fault delays, each timeout freeing its blocks
 (push registration, lease, D's receive timeout with `fail` and `recompute`), incompatible and mixed-mode
 instances refused with a clear message, bad input through the push router, and a client that leaves while
 P is still busy (both legs aborted).
@@ -24,10 +24,12 @@ import httpx
 import pytest
 from helpers import Launcher, Proc, post, scrape_metrics, wait_idle, wait_log_status
 
+from pdserve.transfer.faults import Faults
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny llama: layers x (K, V) x kv heads x head dim x float32
-DELAY_S = 1.0  # the debug-delay hooks
+DELAY_S = 1.0  # the test-only fault delays (P_delay's hand-over, D_rc's registration)
 SHORT_S = 2.0  # P_delay's registration timeout and lease; P_pull's and P_other's lease; D_pull's recv timeout
 RECV_TIMEOUT_S = 5.0  # D_push's and D_rc's receive timeout
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 6}
@@ -61,14 +63,14 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cl(launcher: Launcher, tiny_llama: Path, tiny_model_dirs: dict[str, Path]) -> Cluster:
-    def serve(name: str, *args: str, model: Path = tiny_llama) -> Proc:
-        return launcher.serve(model, "--num-gpu-blocks", "64", *args, name=name)
+    def serve(name: str, *args: str, model: Path = tiny_llama, faults: Faults | None = None) -> Proc:
+        return launcher.serve(model, "--num-gpu-blocks", "64", *args, name=name, faults=faults)
 
     pull, push = ["--kv-transfer", "pull"], ["--kv-transfer", "push"]
     p, d = ["--kv-role", "prefill"], ["--kv-role", "decode"]
-    short, recv, delay = str(SHORT_S), str(RECV_TIMEOUT_S), str(DELAY_S)
-    delayed_finish = ["--debug-delay-finish-s", delay, "--push-registration-timeout-s", short, "--kv-lease-s", short]
-    recompute = ["--debug-delay-register-s", delay, "--kv-load-failure-policy", "recompute"]
+    short, recv = str(SHORT_S), str(RECV_TIMEOUT_S)
+    delayed_finish = ["--push-registration-timeout-s", short, "--kv-lease-s", short]
+    recompute = ["--kv-load-failure-policy", "recompute"]
     cluster = Cluster(
         launcher,
         ref=serve("ref", "--kv-role", "both"),
@@ -76,9 +78,9 @@ def cl(launcher: Launcher, tiny_llama: Path, tiny_model_dirs: dict[str, Path]) -
         d_pull=serve("D_pull", *d, *pull, "--block-size", "32", "--kv-recv-timeout-s", short),
         p_other=serve("P_other", *p, *pull, "--kv-lease-s", short, model=tiny_model_dirs["mistral"]),
         p_push=serve("P_push", *p, *push, "--max-num-seqs", "1"),
-        p_delay=serve("P_delay", *p, *push, *delayed_finish),
+        p_delay=serve("P_delay", *p, *push, *delayed_finish, faults=Faults(delay_send_ready_s=DELAY_S)),
         d_push=serve("D_push", *d, *push, "--block-size", "32", "--kv-recv-timeout-s", recv),
-        d_rc=serve("D_rc", *d, *push, "--kv-recv-timeout-s", recv, *recompute),
+        d_rc=serve("D_rc", *d, *push, "--kv-recv-timeout-s", recv, *recompute, faults=Faults(delay_register_s=DELAY_S)),
         routers={},
     )
     launcher.wait_ready()
@@ -150,7 +152,7 @@ def test_prefix_hit_on_d_moves_only_the_suffix(cl: Cluster, mode: str) -> None:
     assert_all_free(p, d)
 
 
-# ---- both rendezvous orders, forced by the debug-delay flags -----------------------------------------------------
+# ---- both rendezvous orders, forced by test-only fault delays ----------------------------------------------------
 def test_registration_first_forced_by_delayed_finish(cl: Cluster) -> None:
     router = cl.router("push", cl.p_delay, cl.d_push)
     rid = f"regfirst-{uuid.uuid4().hex}"
@@ -284,25 +286,52 @@ def test_push_router_passes_bad_input_on_and_frees(cl: Cluster) -> None:
     assert_all_free(cl.p_push, cl.d_push)
 
 
-def test_malformed_kv_transfer_params_fail_cleanly(cl: Cluster) -> None:
-    """kv_transfer_params come from the router, not the user: a malformed set is the deployment's fault, so a
-    500 with the reason (the router makes it a 502 naming the leg); the blocks come back, D keeps serving."""
+def test_malformed_kv_transfer_params_are_a_400_naming_the_key(cl: Cluster) -> None:
+    """kv_transfer_params are parsed at the HTTP edge: a malformed set is a 400 that names the key, before the
+    engine saw the request (no timeline entry, nothing allocated); D keeps serving."""
+    pull = {
+        "do_remote_prefill": True,
+        "transfer_mode": "pull",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_block_ids": [0],
+        "remote_request_id": "r",
+        "remote_num_tokens": 4,
+    }
+    push = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": 1}
     bad = [
-        (cl.d_pull, {"do_remote_prefill": True, "transfer_mode": "pull"}, "remote_block_ids"),
-        (cl.d_pull, {"do_remote_prefill": True, "transfer_mode": "pull", "remote_host": "127.0.0.1",
-                     "remote_port": 1, "remote_block_ids": [0], "remote_request_id": "r", "remote_num_tokens": 3},
-         "prefill has KV for 3 tokens, 4 needed"),
-        (cl.d_push, {"do_remote_prefill": True, "transfer_mode": "push"}, "transfer_id"),
-        (cl.d_push, {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": "x"},
-         "malformed value for a push: invalid literal for int() with base 10: 'x'"),
+        (cl.d_pull, {"do_remote_prefill": True, "transfer_mode": "pull"}, "remote_block_ids: missing"),
+        (cl.d_pull, dict(pull, remote_port=70000), "remote_port: must be in [1, 65535], got 70000"),
+        (cl.d_pull, dict(pull, remote_num_tokens=-1), "remote_num_tokens: must be in [0, "),
+        (cl.d_pull, dict(pull, remote_block_ids="0"), "remote_block_ids: must be a list"),
+        (cl.d_pull, dict(pull, remote_host=["h"]), "remote_host: must be a string"),
+        (cl.d_push, {"do_remote_prefill": True, "transfer_mode": "push"}, "transfer_id: missing"),
+        (cl.d_push, dict(push, remote_port="x"), "remote_port: must be an integer, got 'x'"),
+        (cl.d_push, dict(push, tp_size=0), "tp_size: must be in [1, 1024], got 0"),
     ]  # fmt: skip
-    for d, params, words in bad:
-        resp = completion(d.url, "hell", kv_transfer_params=params)
-        assert resp.status_code == 500, resp.text
-        assert "KV transfer failed" in error_message(resp) and words in error_message(resp), error_message(resp)
+    for i, (d, params, words) in enumerate(bad):
+        rid = f"malformed-{i}-{uuid.uuid4().hex[:6]}"
+        resp = completion(d.url, "hell", {"X-Request-Id": rid}, kv_transfer_params=params)
+        assert resp.status_code == 400, resp.text
+        assert words in error_message(resp), error_message(resp)
+        entries = httpx.get(d.url + "/timeline", timeout=10).json()
+        assert all(rid not in e["request_id"] for e in entries), "the engine saw a refused request"
     assert_all_free(cl.d_pull, cl.d_push)
     for d in (cl.d_pull, cl.d_push):
         assert answer(completion(d.url, "hell")) == answer(completion(cl.ref.url, "hell"))
+
+
+def test_params_the_prefill_cannot_satisfy_fail_cleanly(cl: Cluster) -> None:
+    """Well-formed params that P cannot satisfy (fewer tokens than D's prompt needs) are found on D's transfer
+    thread: a 500 with the reason (the router makes it a 502 naming the leg); the blocks come back."""
+    params = {"do_remote_prefill": True, "transfer_mode": "pull", "remote_host": "127.0.0.1", "remote_port": 1,
+              "remote_block_ids": [0], "remote_request_id": "r", "remote_num_tokens": 3}  # fmt: skip
+    resp = completion(cl.d_pull.url, "hell", kv_transfer_params=params)
+    assert resp.status_code == 500, resp.text
+    assert "KV transfer failed" in error_message(resp) and "prefill has KV for 3 tokens, 4 needed" in error_message(
+        resp
+    )
+    assert_all_free(cl.d_pull)
 
 
 # ---- a client that leaves while P is still busy ---------------------------------------------------------------------

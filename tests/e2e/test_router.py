@@ -60,7 +60,7 @@ def reference(launcher: Launcher, tiny_llama: Path) -> Proc:
 )
 def pd(request: pytest.FixtureRequest, launcher: Launcher, tiny_llama: Path, reference: Proc) -> Any:
     mode, p_block, d_block = request.param
-    if mode == "push" and not (REPO_ROOT / "pdserve/transfer/push.py").exists():
+    if mode == "push" and not (REPO_ROOT / "pdserve/transfer/thread/push.py").exists():
         pytest.skip("push-mode transfer is not in this tree yet")
     common = ["--kv-transfer", mode, "--num-gpu-blocks", str(NUM_BLOCKS)]
     tag = f"{mode}-P{p_block}-D{d_block}"

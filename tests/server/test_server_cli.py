@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.config import ConfigError
 from pdserve.server import cli
+from pdserve.transfer.faults import NO_FAULTS, Faults
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -36,7 +37,6 @@ def test_every_flag_reaches_the_config() -> None:
         "--kv-role", "decode", "--kv-transfer", "push", "--engine-id", "d0", "--kv-side-channel-host", "10.0.0.2",
         "--kv-side-channel-port", "0", "--kv-buffer-device", "cpu", "--kv-lease-s", "5",
         "--push-registration-timeout-s", "6", "--kv-recv-timeout-s", "7", "--kv-load-failure-policy", "recompute",
-        "--debug-delay-register-s", "0.5",
     )  # fmt: skip
     c = cli.build_config(args)
     assert (c.model.max_model_len, c.model.dtype, c.model.device, c.model.load_format) == (
@@ -51,7 +51,17 @@ def test_every_flag_reaches_the_config() -> None:
         "decode", "push", "d0", "10.0.0.2", 0
     )  # fmt: skip
     assert (t.kv_buffer_device, t.lease_s, t.push_registration_timeout_s, t.recv_timeout_s) == ("cpu", 5, 6, 7)
-    assert t.load_failure_policy == "recompute" and t.debug_delay_register_s == 0.5
+    assert t.load_failure_policy == "recompute" and t.faults == NO_FAULTS
+
+
+def test_faults_are_no_flag() -> None:
+    """Test-only faults reach the config only through build_config's argument, never through a flag."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    text = parser.format_help()
+    assert "--debug-" not in text and "faults" not in text and "delay" not in text
+    faults = Faults(delay_register_s=0.5)
+    assert cli.build_config(parse(), faults).transfer.faults == faults
 
 
 def test_disaggregated_instances_default_to_half_the_cores() -> None:

@@ -32,7 +32,13 @@ def test_prompt_forms(tokenizer: Tokenizer) -> None:
 
 @pytest.mark.parametrize(
     "prompt, words",
-    [(["a", "b"], "one prompt"), ([[1], [2]], "one prompt"), ([], "empty"), ([3, -1], ">= 0"), ("a\ud800", "tokenized")],
+    [
+        (["a", "b"], "one prompt"),
+        ([[1], [2]], "one prompt"),
+        ([], "empty"),
+        ([3, -1], ">= 0"),
+        ("a\ud800", "tokenized"),
+    ],
 )
 def test_bad_prompts(tokenizer: Tokenizer, prompt: Any, words: str) -> None:
     with pytest.raises(ApiError, match=words) as e:

@@ -82,6 +82,7 @@ def cpu_cost(seconds: float = 5.0) -> None:
     from pdserve.config import TransferConfig
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
+    from pdserve.transfer.params import RemoteDecode
 
     sched, worker = make_connectors(TransferConfig(role="prefill", mode="pull", side_channel_port=0, lease_s=100), 16)
     kv = torch.zeros(2, 2, 16, 16, 2, 4)
@@ -95,7 +96,7 @@ def cpu_cost(seconds: float = 5.0) -> None:
 
     time.sleep(0.5)
     idle = share()
-    sched.on_request_finished("r", [0], 4, {"do_remote_decode": True})
+    sched.on_request_finished("r", [0], 4, RemoteDecode(None, None))
     worker.submit(sched.build_step_meta())
     hot = share()
     worker.shutdown()

@@ -50,6 +50,7 @@ def _child(
     from pdserve.config import TransferConfig
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
+    from pdserve.transfer.params import decode, encode
 
     torch.set_num_threads(1)
     cfg = TransferConfig(**cfg_kwargs)
@@ -69,6 +70,7 @@ def _child(
     results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "cancelled_recvs": [],
                                 "finished_sends": [], "events": []}  # fmt: skip
     conn.send(("ready", sched.info()))
+    params: dict[str, Any] = {}  # request id -> parsed kv_transfer_params (the engine's Request owns them)
     while True:
         if conn.poll(0.0005):
             cmd, *args = conn.recv()
@@ -77,12 +79,18 @@ def _child(
                 conn.send(("ok", None))
                 return
             reply: Any = None
-            if cmd == "needs":
-                reply = sched.needs_remote_kv(*args)
+            if cmd == "needs":  # (request id, kv_transfer_params as JSON), parsed as the server does
+                try:
+                    params[args[0]] = decode(args[1])
+                    reply = sched.needs_remote_kv(args[0], params[args[0]])
+                except ValueError as e:  # the server's 400: the test's call() raises it
+                    reply = e
             elif cmd == "alloc":
-                sched.on_blocks_allocated(*args)
-            elif cmd == "finish":
-                reply = sched.on_request_finished(*args)
+                sched.on_blocks_allocated(*args, params.pop(args[0]))
+            elif cmd == "finish":  # -> (keep blocks, the response's kv_transfer_params as JSON)
+                keep = sched.on_request_finished(*args[:3], decode(args[3]))
+                answer = sched.take_answer(args[0])
+                reply = keep, None if answer is None else encode(answer)
             elif cmd == "abort":
                 sched.on_recv_aborted(*args)
             elif cmd == "abort_request":  # P: a request ended without finishing (Scheduler.finish, abort/error)
@@ -135,7 +143,10 @@ class Instance:
         self.conn.send(cmd)
         if not self.conn.poll(timeout):
             raise TimeoutError(f"no answer to {cmd[0]}")
-        return self.conn.recv()[1]
+        reply = self.conn.recv()[1]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     def results(self) -> dict[str, list]:
         return self.call("results")

@@ -82,10 +82,8 @@ def test_stats_count_bytes(cl):
 
 def test_bad_params_fail_cleanly(cl):
     p, d = cl["p4"], cl["d4"]
-    assert d.call("needs", "bad1", {"do_remote_prefill": True, "transfer_mode": "pull"})
-    d.call("alloc", "bad1", [0, 1], 0, 6)
-    kind, reason = d.wait_result("bad1")
-    assert kind == "failed" and "remote_block_ids" in reason
+    with pytest.raises(ValueError, match="remote_block_ids"):  # refused at the edge, before any allocation
+        d.call("needs", "bad1", {"do_remote_prefill": True, "transfer_mode": "pull"})
     _, params = p.call("finish", "p-bad2", [0], 3, {"do_remote_decode": True})
     d.call("needs", "bad2", dict(params, remote_block_ids=[99]))
     d.call("alloc", "bad2", [0], 0, 3)

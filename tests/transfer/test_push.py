@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from harness import Instance, close_all, events, expected_kv, push_params, start_all
 
-DELAY = 0.3  # the debug hooks' delay
+from pdserve.transfer.faults import Faults
+
+DELAY = 0.3  # the test-only fault delays
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +18,8 @@ def cl():
     insts = start_all(
         p4=Instance("prefill", "push", block_size=4),
         d4=Instance("decode", "push", block_size=4),
-        p8=Instance("prefill", "push", block_size=8, debug_delay_finish_s=DELAY),  # registration first
-        d8=Instance("decode", "push", block_size=8, debug_delay_register_s=DELAY),  # prefill first
+        p8=Instance("prefill", "push", block_size=8, faults=Faults(delay_send_ready_s=DELAY)),  # registration first
+        d8=Instance("decode", "push", block_size=8, faults=Faults(delay_register_s=DELAY)),  # prefill first
         p_short=Instance("prefill", "push", block_size=4, push_registration_timeout_s=0.3, lease_s=0.3),
         d_short=Instance("decode", "push", block_size=4, recv_timeout_s=0.5),
         p_q=Instance("prefill", "push", block_size=4, push_registration_timeout_s=0.5),

@@ -1,18 +1,17 @@
 """Push's scheduler half (pure Python, no NIXL): P announces at arrival the transfers it will produce, and
 ends each with exactly one SendTask (finished) or one abandoned entry (aborted, failed)."""
 
-import pytest
-
 from pdserve.config import TransferConfig
-from pdserve.transfer.push import PushScheduler
+from pdserve.transfer.params import Mode, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
+from pdserve.transfer.scheduler.push import PushScheduler
 
 
 def make() -> PushScheduler:
     return PushScheduler(TransferConfig(role="prefill", mode="push"), 4, "127.0.0.1", 5600)
 
 
-def p_params(tid: str) -> dict:
-    return {"do_remote_decode": True, "transfer_id": tid, "transfer_mode": "push"}
+def p_params(tid: str) -> RemoteDecode:
+    return RemoteDecode(Mode.PUSH, tid)
 
 
 def test_arrivals_are_expected_and_end_in_one_send_or_abandon():
@@ -22,7 +21,8 @@ def test_arrivals_are_expected_and_end_in_one_send_or_abandon():
     assert not s.needs_remote_kv("plain", None)  # not a disaggregated request: nothing to expect
     meta = s.build_step_meta()
     assert meta and meta.expected == [("a", "ta"), ("b", "tb")] and not meta.sends and not meta.abandoned
-    keep, _ = s.on_request_finished("a", [1, 2], 8, p_params("ta"))
+    keep = s.on_request_finished("a", [1, 2], 8, p_params("ta"))
+    assert s.take_answer("a") == PushAnswer("ta", s.cfg.engine_id) and s.take_answer("a") is None
     s.on_request_aborted("b")
     s.on_request_aborted("b")  # once only
     s.on_request_aborted("plain")  # never expected: nothing to say
@@ -40,11 +40,26 @@ def test_arrival_and_abort_in_one_step():
     assert meta.expected == [("a", "ta")] and meta.abandoned == ["a"]
 
 
-def test_decode_side_abort_before_allocation_forgets_params():
+def test_decode_side_abort_before_allocation_leaves_nothing():
     s = make()
-    d_params = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": 1}
-    assert s.needs_remote_kv("d", d_params)
+    assert s.needs_remote_kv("d", PushSource("t", "h", 1, None))
     s.on_request_aborted("d")  # Scheduler.finish(abort) of a request not parked yet
-    with pytest.raises(RuntimeError, match="without needs_remote_kv"):
-        s.on_blocks_allocated("d", [0], 0, 8)  # its params are gone
+    assert not s.build_step_meta()
+
+
+def test_params_of_the_other_mode_reach_the_transfer_thread():
+    """A deployment mixing modes fails there, naming both modes (a 500; the router's 502 names the leg)."""
+    s = make()
+    source = PullSource("h", 1, None, "r", (0,), 3, None)
+    assert s.needs_remote_kv("d", source)
+    s.on_blocks_allocated("d", [0], 0, 4, source)
+    assert s.build_step_meta().recvs[0].source == source
+
+
+def test_a_prefill_without_transfer_id_is_answered_with_a_refusal():
+    s = make()
+    assert not s.needs_remote_kv("a", RemoteDecode(None, None))
+    assert not s.on_request_finished("a", [1], 3, RemoteDecode(None, None))
+    answer = s.take_answer("a")
+    assert isinstance(answer, Refusal) and "transfer_id" in answer.error
     assert not s.build_step_meta()

@@ -1,6 +1,6 @@
 """kv_buffer_device "cpu" staging (pdserve/transfer/staging.py) over real NIXL between processes, on the CPU:
-PDSERVE_FORCE_KV_STAGING=1 gives each instance a host mirror that NIXL moves instead of the cache, so the
-block-id copies both ways and their moment are exercised here. D delays its copy-in (test hook) so the test
+Faults(force_staging=True) gives each instance a host mirror that NIXL moves instead of the cache, so the
+block-id copies both ways and their moment are exercised here. D delays its copy-in (a test fault) so the test
 can see that the landed data sits in the mirror and D's cache is unchanged until the recv is finished."""
 
 import time
@@ -9,21 +9,22 @@ import numpy as np
 import pytest
 from harness import Instance, close_all, events, expected_kv, push_params, start_all
 
-from pdserve.transfer.staging import DELAY_ENV, FORCE_ENV, token_blocks
+from pdserve.transfer.faults import Faults
+from pdserve.transfer.staging import token_blocks
 
 DELAY_S = 1.0
-STAGED = {FORCE_ENV: "1"}
-STAGED_SLOW_IN = {FORCE_ENV: "1", DELAY_ENV: str(DELAY_S)}
+STAGED = Faults(force_staging=True)
+STAGED_SLOW_IN = Faults(force_staging=True, delay_stage_in_s=DELAY_S)
 
 
 @pytest.fixture(scope="module")
 def cl():
     insts = start_all(
-        p_pull=Instance("prefill", "pull", block_size=4, env=STAGED),
-        d_pull=Instance("decode", "pull", block_size=4, env=STAGED_SLOW_IN),
+        p_pull=Instance("prefill", "pull", block_size=4, faults=STAGED),
+        d_pull=Instance("decode", "pull", block_size=4, faults=STAGED_SLOW_IN),
         d_pull8=Instance("decode", "pull", block_size=8),  # not staged: reads P's mirror
-        p_push=Instance("prefill", "push", block_size=4, env=STAGED),
-        d_push=Instance("decode", "push", block_size=8, env=STAGED_SLOW_IN),
+        p_push=Instance("prefill", "push", block_size=4, faults=STAGED),
+        d_push=Instance("decode", "push", block_size=8, faults=STAGED_SLOW_IN),
     )
     yield insts
     close_all(insts)

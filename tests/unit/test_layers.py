@@ -47,11 +47,20 @@ def heavy(loaded: set[str]) -> set[str]:
 
 def scheduler_halves() -> list[str]:
     """The connectors' engine-thread halves, wherever the transfer package keeps them."""
-    names = [m for m in all_modules("pdserve.transfer") if ".scheduler" in m or m.endswith(".nop")]
-    return names or ["pdserve.transfer.scheduler_base"]
+    return [m for m in all_modules("pdserve.transfer") if ".scheduler" in m or m.endswith(".nop")]
 
 
-PURE = ["pdserve.engine.block_pool", "pdserve.engine.scheduler", "pdserve.engine.request", "pdserve.sampling_params"]
+PURE = [
+    "pdserve.engine.block_pool",
+    "pdserve.engine.scheduler",
+    "pdserve.engine.request",
+    "pdserve.sampling_params",
+    "pdserve.auth",
+    "pdserve.transfer.base",
+    "pdserve.transfer.params",
+    "pdserve.transfer.faults",
+    "pdserve.transfer.factory",
+]
 NO_TORCH = [
     "pdserve.engine.client",
     "pdserve.web",

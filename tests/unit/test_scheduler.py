@@ -6,6 +6,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.nop import NopScheduler
+from pdserve.transfer.params import PullSource, PushSource, RemoteDecode
 
 
 class RecordingConnector(NopScheduler):
@@ -20,20 +21,24 @@ class RecordingConnector(NopScheduler):
         self.ended = []  # on_request_aborted (abort or error, P and D)
 
     def needs_remote_kv(self, request_id, params):
-        return bool(params and params.get("do_remote_prefill"))
+        return isinstance(params, PullSource | PushSource)
 
-    def on_blocks_allocated(self, request_id, block_ids, num_local_tokens, num_prompt_tokens):
+    def on_blocks_allocated(self, request_id, block_ids, num_local_tokens, num_prompt_tokens, source):
         self.allocated.append((request_id, list(block_ids), num_local_tokens, num_prompt_tokens))
 
     def on_request_finished(self, request_id, block_ids, num_tokens, params):
         self.finished.append(request_id)
-        return bool(params and params.get("do_remote_decode")), None
+        return isinstance(params, RemoteDecode)
 
     def on_recv_aborted(self, request_id):
         self.aborted.append(request_id)
 
     def on_request_aborted(self, request_id):
         self.ended.append(request_id)
+
+
+SOURCE = PullSource("127.0.0.1", 5600, None, "p-1", (0, 1, 2), 10, 4)  # D: KV comes from a prefill instance
+TO_DECODE = RemoteDecode(None, None)  # P: KV goes to a decode instance
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, caching=True):
@@ -136,7 +141,7 @@ def test_full_prompt_hit_still_computes_last_token():
 
 def test_remote_kv_parks_then_computes_last_token():
     s, pool, conn = make(block_size=4)
-    s.add(req("d", 10, params={"do_remote_prefill": True}))
+    s.add(req("d", 10, params=SOURCE))
     out = s.schedule()
     assert out.chunks == [] and s.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KV
     rid, blocks, local, n = conn.allocated[0]
@@ -148,7 +153,7 @@ def test_remote_kv_parks_then_computes_last_token():
 
 def test_abort_while_waiting_for_kv_keeps_blocks_until_cancelled():
     s, pool, conn = make()
-    s.add(req("d", 10, params={"do_remote_prefill": True}))
+    s.add(req("d", 10, params=SOURCE))
     s.schedule()
     free_before = pool.num_free
     s.abort("d")
@@ -159,7 +164,7 @@ def test_abort_while_waiting_for_kv_keeps_blocks_until_cancelled():
 
 def test_prefill_side_pins_blocks_until_sent():
     s, pool, conn = make()
-    s.add(req("p", 10, max_tokens=1, params={"do_remote_decode": True}))
+    s.add(req("p", 10, max_tokens=1, params=TO_DECODE))
     run_step(s)
     assert conn.finished == ["p"] and "p" in s.pinned and pool.num_free < pool.num_blocks
     s.on_send_finished("p")
@@ -170,8 +175,8 @@ def test_prefill_aborted_queued_or_running_tells_the_connector():
     """A P request aborted before it finished has nothing to hand over: the connector hears of it (push: P
     refuses D's registration at once); blocks are freed, nothing is pinned."""
     s, pool, conn = make(budget=4)
-    s.add(req("queued", 10, max_tokens=1, params={"do_remote_decode": True}))
-    s.add(req("running", 10, max_tokens=1, start=50, params={"do_remote_decode": True}))
+    s.add(req("queued", 10, max_tokens=1, params=TO_DECODE))
+    s.add(req("running", 10, max_tokens=1, start=50, params=TO_DECODE))
     s.abort("queued")
     run_step(s)  # "running" has its first 4 prompt tokens computed
     s.abort("running")
@@ -181,7 +186,7 @@ def test_prefill_aborted_queued_or_running_tells_the_connector():
 
 def test_failed_recv_finishing_with_error_tells_the_connector():
     s, _, conn = make()
-    s.add(req("d", 10, params={"do_remote_prefill": True}))
+    s.add(req("d", 10, params=SOURCE))
     s.schedule()
     r = s.on_kv_failed("d", recompute=False)
     s.finish(r, "error", "KV transfer failed")
@@ -190,7 +195,7 @@ def test_failed_recv_finishing_with_error_tells_the_connector():
 
 def test_failed_recv_recompute_runs_locally():
     s, pool, _ = make()
-    s.add(req("d", 10, params={"do_remote_prefill": True}))
+    s.add(req("d", 10, params=SOURCE))
     s.schedule()
     assert s.on_kv_failed("d", recompute=True) is None
     out = s.schedule()

@@ -1,13 +1,14 @@
 """A thin wrapper over one NIXL agent: the only file that imports nixl.
 
 Not thread-safe (NIXL is not documented to be): after construction, only the transfer thread calls it.
-NIXL's own progress thread is off (it busy-spins a core; ../shared/NIXL.md), so the caller must keep
+NIXL's own progress thread is off (it busy-spins a core), so the caller must keep
 calling check() on posted transfers and notifications() every <= 1 ms. Every NIXL exception is turned
 into AgentError (PeerGone when NIXL reports the peer disconnected), never let through raw.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,14 @@ def _wrap(what: str, e: Exception) -> AgentError:
     return cls(f"{what}: {type(e).__name__}: {e}")
 
 
+class XferState(enum.Enum):
+    """A posted transfer's state, as NIXL names it."""
+
+    PROC = "PROC"  # in progress
+    DONE = "DONE"  # landed
+    ERR = "ERR"  # failed or cancelled: nothing more lands
+
+
 @dataclass
 class Xfer:
     """One posted READ or WRITE."""
@@ -39,7 +48,7 @@ class Xfer:
     handle: Any  # nixl_xfer_handle
     peer: str  # remote agent name
     num_bytes: int
-    state: str  # "PROC" | "DONE" | "ERR"
+    state: XferState
 
 
 class NixlAgent:
@@ -100,33 +109,33 @@ class NixlAgent:
         if state == "ERR":
             self._release(handle)
             raise AgentError(f"post {op} to {peer}: NIXL returned ERR")
-        return Xfer(handle, peer, num_bytes, state)
+        return Xfer(handle, peer, num_bytes, XferState(state))
 
-    def check(self, xfer: Xfer) -> str:
-        """Progress a posted transfer; "PROC", "DONE" or "ERR". The handle is released once not "PROC".
+    def check(self, xfer: Xfer) -> XferState:
+        """Progress a posted transfer. The handle is released once not PROC.
         Raises PeerGone when NIXL says the peer disconnected (the transfer is then over)."""
-        if xfer.state != "PROC":
+        if xfer.state is not XferState.PROC:
             return xfer.state
         try:
-            xfer.state = self._agent.check_xfer_state(xfer.handle)
+            xfer.state = XferState(self._agent.check_xfer_state(xfer.handle))
         except Exception as e:
-            xfer.state = "ERR"
+            xfer.state = XferState.ERR
             self._release(xfer.handle)
             err = _wrap(f"transfer to {xfer.peer}", e)
             if isinstance(err, PeerGone):
                 raise err from None
             log.warning("%s", err)
-            return "ERR"
-        if xfer.state != "PROC":
+            return XferState.ERR
+        if xfer.state is not XferState.PROC:
             self._release(xfer.handle)
         return xfer.state
 
     def abort(self, xfer: Xfer) -> bool:
         """Try to cancel a transfer still in progress; True if nothing more can land."""
-        if xfer.state != "PROC":
+        if xfer.state is not XferState.PROC:
             return True
         if self._release(xfer.handle):
-            xfer.state = "ERR"
+            xfer.state = XferState.ERR
             return True
         return False
 

@@ -6,10 +6,12 @@ from typing import Any
 
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import RecvTask, StepMeta
+from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
 
 class SchedulerBase:
-    """D side bookkeeping and the per-step StepMeta; subclasses add on_request_finished (P side)."""
+    """D side: the RecvTask of an allocated request; the per-step StepMeta; P's answers until asked for.
+    Subclasses add on_request_finished (P side)."""
 
     def __init__(self, cfg: TransferConfig, block_size: int, host: str, port: int, tp_size: int = 1) -> None:
         self.cfg = cfg
@@ -18,39 +20,38 @@ class SchedulerBase:
         self.port = port
         self.tp_size = tp_size
         self.meta = StepMeta()  # what the next build_step_meta() hands over
-        self._params: dict[str, dict[str, Any]] = {}  # D: request id -> kv_transfer_params until allocation
+        self._answers: dict[str, KVAnswer] = {}  # P: request id -> its response's params, until take_answer()
 
-    def needs_remote_kv(self, request_id: str, params: dict[str, Any] | None) -> bool:
-        if params and params.get("do_remote_prefill"):
-            self._params[request_id] = dict(params)
-            return True
-        return False
+    def needs_remote_kv(self, request_id: str, params: KVTransferParams | None) -> bool:
+        # params of the other mode are a deployment's mistake, not the client's: the transfer thread fails
+        # the recv (a 500 naming both modes; the router's 502), as for any recv that cannot be served
+        return isinstance(params, PullSource | PushSource)
 
     def on_blocks_allocated(
-        self, request_id: str, block_ids: list[int], num_local_tokens: int, num_prompt_tokens: int
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_local_tokens: int,
+        num_prompt_tokens: int,
+        source: PullSource | PushSource,
     ) -> None:
-        params = self._params.pop(request_id, None)
-        if params is None:
-            raise RuntimeError(f"on_blocks_allocated({request_id!r}) without needs_remote_kv() returning True")
         # D computes the last prompt token itself (and samples the first output token from its logits)
         num_tokens = max(0, num_prompt_tokens - 1 - num_local_tokens)
-        self.meta.recvs.append(self.recv_task(request_id, tuple(block_ids), num_local_tokens, num_tokens, params))
+        self.meta.recvs.append(self.recv_task(request_id, tuple(block_ids), num_local_tokens, num_tokens, source))
 
     def recv_task(
-        self, request_id: str, block_ids: tuple[int, ...], start: int, num_tokens: int, params: dict[str, Any]
+        self, request_id: str, block_ids: tuple[int, ...], start: int, num_tokens: int, source: PullSource | PushSource
     ) -> RecvTask:
-        return RecvTask(request_id, block_ids, start, num_tokens, params)
+        return RecvTask(request_id, block_ids, start, num_tokens, source)
 
     def on_recv_aborted(self, request_id: str) -> None:
-        if self._params.pop(request_id, None) is not None:
-            return  # blocks were never allocated: nothing to cancel, and no result will follow
-        self.meta.cancels.append(request_id)
+        self.meta.cancels.append(request_id)  # blocks were allocated (the request was parked): a result follows
 
     def on_request_aborted(self, request_id: str) -> None:
-        self.forget(request_id)  # D: aborted before its blocks were allocated
+        self._answers.pop(request_id, None)
 
-    def forget(self, request_id: str) -> None:
-        self._params.pop(request_id, None)
+    def take_answer(self, request_id: str) -> KVAnswer | None:
+        return self._answers.pop(request_id, None)
 
     def build_step_meta(self) -> StepMeta:
         meta, self.meta = self.meta, StepMeta()

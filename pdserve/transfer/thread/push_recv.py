@@ -19,16 +19,19 @@ refuses or answers with another agent). A timed-out recv whose data landed after
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from pdserve.transfer.agent import AgentError, PeerGone
 from pdserve.transfer.base import RecvTask
-from pdserve.transfer.peers import Peer
+from pdserve.transfer.faults import FaultPoint
+from pdserve.transfer.params import PushSource
+from pdserve.transfer.thread.agent import AgentError, PeerGone
+from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.landing import land
+from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister, encode
-from pdserve.transfer.worker import TransferContext
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +40,34 @@ KEEPALIVES_PER_TIMEOUT = 4  # P is asked for a PushQueued this many times per re
 MIN_KEEPALIVE_MS = 10
 
 
-@dataclass(frozen=True)
-class PushParams:
-    transfer_id: str
-    host: str
-    port: int
-    engine_id: str | None
-    num_producers: int  # P's tp size: completions to count
+class WaitState(enum.Enum):
+    """D: a push recv's steps, in order (CANCELLING after a timeout or abort; STAGING only with a host mirror)."""
 
-    @classmethod
-    def parse(cls, p: dict[str, Any]) -> PushParams:
-        mode = p.get("transfer_mode", "push")
-        if mode != "push":
-            raise ValueError(f"kv_transfer_params are for {mode} mode, this instance is in push mode")
-        try:
-            return cls(str(p["transfer_id"]), str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"),
-                       int(p.get("tp_size", 1)))  # fmt: skip
-        except KeyError as e:
-            raise ValueError(f"kv_transfer_params lack {e} for a push") from None
-        except (TypeError, ValueError) as e:  # the message names the bad value
-            raise ValueError(f"kv_transfer_params hold a malformed value for a push: {e}") from None
+    HANDSHAKE = "handshake"  # waiting for P's handshake
+    DELAYED = "delayed"  # handshake done, registration not sent yet
+    REGISTERED = "registered"  # P has the registration: a WRITE may land
+    CANCELLING = "cancelling"  # PushCancel sent: waiting until P says nothing more lands (or is known dead)
+    STAGING = "staging"  # every producer's data landed in the mirror; copy-in pending
+
+
+class CancelWhy(enum.Enum):
+    ABORT = "abort"  # the engine aborted the request: reported as cancelled
+    TIMEOUT = "timeout"  # the receive clock ran out: reported as failed
+
+
+class RecvEnd(enum.Enum):
+    """How a recv is reported to the engine (exactly once)."""
+
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 @dataclass
 class _Wait:
     task: RecvTask
-    remote: PushParams
-    state: str = "handshake"  # handshake -> (delayed) -> registered -> (cancelling) -> (staging: copy-in pending)
+    remote: PushSource
+    state: WaitState = WaitState.HANDSHAKE
     peer: Peer | None = None
     done_ranks: set[int] = field(default_factory=set)  # producers whose data landed
     over_ranks: set[int] = field(default_factory=set)  # producers that will write nothing (more)
@@ -71,7 +75,7 @@ class _Wait:
     registered_at: float = 0.0
     alive_at: float = 0.0  # time.monotonic() of the last sign of life (arrival, then P's PushQueued)
     num_queued: int = 0  # PushQueued notices received
-    cancel_why: str | None = None  # "abort" (engine) or "timeout"
+    cancel_why: CancelWhy | None = None
     fail_reason: str = ""
 
     @property
@@ -86,11 +90,9 @@ class RecvSide:
         self.by_key: dict[tuple[str, int], str] = {}  # (transfer id, attempt) -> request id
 
     def on_recv(self, task: RecvTask, now: float) -> None:
-        rid = task.request_id
-        try:
-            remote = PushParams.parse(task.params)
-        except ValueError as e:
-            self.ctx.sink.recv_failed(rid, str(e))
+        rid, remote = task.request_id, task.source
+        if not isinstance(remote, PushSource):
+            self.ctx.sink.recv_failed(rid, "kv_transfer_params are for pull mode, this instance is in push mode")
             return
         w = _Wait(task, remote, alive_at=now)
         if w.key in self.by_key:
@@ -106,15 +108,11 @@ class RecvSide:
         if self.waits.get(rid) is not w:
             return  # cancelled or timed out before registering: nothing can be written
         if peer is None:
-            self._end(rid, w, "failed", f"handshake with {w.remote.host}:{w.remote.port} failed: {error}")
+            self._end(rid, w, RecvEnd.FAILED, f"handshake with {w.remote.host}:{w.remote.port} failed: {error}")
             return
         w.peer = peer
-        delay = self.ctx.cfg.debug_delay_register_s  # test hook: force the prefill-first order
-        if delay > 0:
-            w.state = "delayed"
-            self.ctx.thread.call_at(time.monotonic() + delay, lambda: self._register(rid, w))
-        else:
-            self._register(rid, w)
+        w.state = WaitState.DELAYED  # until _register(): at once, unless a test delays it
+        self.ctx.cfg.faults.defer(FaultPoint.REGISTER, self.ctx.thread.call_at, lambda: self._register(rid, w))
 
     def _register(self, rid: str, w: _Wait) -> None:
         if self.waits.get(rid) is not w:
@@ -125,11 +123,11 @@ class RecvSide:
         msg = PushRegister(w.remote.transfer_id, t.attempt, self.ctx.local.engine_id, list(t.block_ids),
                            self.ctx.layout.block_size, t.start_token, t.num_tokens, self.ctx.spec.tp_rank,
                            keepalive_ms)  # fmt: skip
-        w.state, w.registered_at = "registered", time.monotonic()
+        w.state, w.registered_at = WaitState.REGISTERED, time.monotonic()
         try:
             self.ctx.agent.send_notif(peer.agent_name, encode(msg))
         except AgentError as e:  # P may or may not have it: cancel properly
-            self._start_cancel(rid, w, "timeout", f"registration not sent to {peer.engine_id}: {e}")
+            self._start_cancel(rid, w, CancelWhy.TIMEOUT, f"registration not sent to {peer.engine_id}: {e}")
             return
         self.ctx.sink.event(rid, "registration_sent")
 
@@ -159,7 +157,7 @@ class RecvSide:
         if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
             rid, w = found
             w.fail_reason = w.fail_reason or f"prefill instance refused: {msg.reason}"
-            w.over_ranks.update(range(w.remote.num_producers))  # P's ranks fail together
+            w.over_ranks.update(range(w.remote.tp_size))  # P's ranks fail together
             self._maybe_over(rid, w)
 
     def on_ack(self, msg: PushCancelAck) -> None:
@@ -169,43 +167,30 @@ class RecvSide:
             self._maybe_over(rid, w)
 
     def _maybe_over(self, rid: str, w: _Wait) -> None:
-        n = w.remote.num_producers
-        if w.state == "staging":
+        n = w.remote.tp_size
+        if w.state is WaitState.STAGING:
             return  # over already: the copy-in ends it
         if len(w.done_ranks) >= n and not w.over_ranks:
-            if w.cancel_why == "abort":
-                self._end(rid, w, "cancelled", "")
+            if w.cancel_why is CancelWhy.ABORT:
+                self._end(rid, w, RecvEnd.CANCELLED, "")
             else:
                 self._landed(rid, w)
         elif len(w.done_ranks | w.over_ranks) >= n:
-            self._end(rid, w, "cancelled" if w.cancel_why == "abort" else "failed", w.fail_reason)
+            self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
 
     def _landed(self, rid: str, w: _Wait) -> None:
         """Every producer's data landed. Staging: it is in the mirror; copy it into the KV cache first."""
-        stager = self.ctx.stager
-        if stager is None:
-            self._end(rid, w, "finished", "")
-            return
-        w.state = "staging"  # a cancel now ends the recv at once: nothing more lands, the copy is skipped
-        if stager.delay_in_s > 0:  # test hook
-            self.ctx.thread.call_at(time.monotonic() + stager.delay_in_s, lambda: self._stage_in(rid, w))
-        else:
-            self._stage_in(rid, w)
+        if self.ctx.stager is not None:
+            w.state = WaitState.STAGING  # a cancel now ends the recv at once: nothing more lands, the copy is skipped
 
-    def _stage_in(self, rid: str, w: _Wait) -> None:
-        if self.waits.get(rid) is not w:
-            return
-        assert self.ctx.stager is not None
-        try:
-            self.ctx.stager.stage_in(w.task.block_ids, w.task.start_token, w.task.num_tokens)
-        except Exception as e:  # noqa: BLE001 - a failed copy fails this recv, not the thread
-            self._end(rid, w, "failed", f"copy from the host staging buffer failed: {e}")
-            return
-        self._end(rid, w, "finished", "")
+        def end(error: str | None) -> None:
+            self._end(rid, w, RecvEnd.FINISHED if error is None else RecvEnd.FAILED, error or "")
+
+        land(self.ctx, w.task, lambda: self.waits.get(rid) is w, end)
 
     # ---- timeouts and cancels ----------------------------------------------------------------------------------------
     def _timeout(self, rid: str, w: _Wait) -> None:
-        if self.waits.get(rid) is not w or w.state in ("cancelling", "staging"):
+        if self.waits.get(rid) is not w or w.state in (WaitState.CANCELLING, WaitState.STAGING):
             return
         due = w.alive_at + self.ctx.cfg.recv_timeout_s
         if time.monotonic() < due:  # P said since that it is working on the prefill
@@ -214,24 +199,24 @@ class RecvSide:
         reason = f"KV did not arrive within {self.ctx.cfg.recv_timeout_s:g} s"
         if w.num_queued:
             reason += f" of the prefill instance's last 'queued' notice ({w.num_queued} received)"
-        if w.state == "registered":
-            self._start_cancel(rid, w, "timeout", reason)
+        if w.state is WaitState.REGISTERED:
+            self._start_cancel(rid, w, CancelWhy.TIMEOUT, reason)
         else:
-            self._end(rid, w, "failed", reason + " (never registered)")
+            self._end(rid, w, RecvEnd.FAILED, reason + " (never registered)")
 
     def on_cancel(self, rid: str) -> None:
         w = self.waits.get(rid)
         if w is None:
             return  # already reported: the engine frees the blocks on that result
-        if w.state == "registered":
-            self._start_cancel(rid, w, "abort", "aborted")
-        elif w.state == "cancelling":
-            w.cancel_why = "abort"
+        if w.state is WaitState.REGISTERED:
+            self._start_cancel(rid, w, CancelWhy.ABORT, "aborted")
+        elif w.state is WaitState.CANCELLING:
+            w.cancel_why = CancelWhy.ABORT
         else:  # nothing registered yet: nothing can be written
-            self._end(rid, w, "cancelled", "")
+            self._end(rid, w, RecvEnd.CANCELLED, "")
 
-    def _start_cancel(self, rid: str, w: _Wait, why: str, reason: str) -> None:
-        w.state, w.cancel_why, w.fail_reason = "cancelling", why, reason
+    def _start_cancel(self, rid: str, w: _Wait, why: CancelWhy, reason: str) -> None:
+        w.state, w.cancel_why, w.fail_reason = WaitState.CANCELLING, why, reason
         self._send_cancel(rid, w)
 
     def _send_cancel(self, rid: str, w: _Wait) -> None:
@@ -274,19 +259,19 @@ class RecvSide:
         assert w.peer is not None
         self.ctx.peers.forget(w.peer)
         w.fail_reason = f"{w.fail_reason}; prefill instance {w.peer.engine_id} is gone"
-        self._end(rid, w, "cancelled" if w.cancel_why == "abort" else "failed", w.fail_reason)
+        self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
 
-    def _end(self, rid: str, w: _Wait, kind: str, reason: str) -> None:
+    def _end(self, rid: str, w: _Wait, kind: RecvEnd, reason: str) -> None:
         """Nothing more can land in this recv's blocks: report it, exactly once."""
         del self.waits[rid]
         del self.by_key[w.key]
-        if kind == "finished":  # the WRITE's duration is P's to record; D only waited
+        if kind is RecvEnd.FINISHED:  # the WRITE's duration is P's to record; D only waited
             self.ctx.sink.recv_finished(rid, w.num_bytes, None)
-        elif kind == "cancelled":
+        elif kind is RecvEnd.CANCELLED:
             self.ctx.sink.recv_cancelled(rid)
         else:
             log.warning("push recv %s failed: %s", rid, reason)
             self.ctx.sink.recv_failed(rid, reason)
 
     def progress(self, now: float) -> bool:
-        return any(w.state in ("registered", "cancelling") for w in self.waits.values())
+        return any(w.state in (WaitState.REGISTERED, WaitState.CANCELLING) for w in self.waits.values())

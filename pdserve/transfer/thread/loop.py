@@ -1,8 +1,8 @@
-"""The transfer thread: the one thread per instance (per rank) that owns the NIXL agent.
+"""TransferLoop, the transfer thread: the one thread per instance (per rank) that owns the NIXL agent.
 
 Everything that touches the agent runs here: commands from the engine (StepMeta) and from the side channel
 arrive on a queue as callables; timers fire here; each loop turn the mode's core polls posted transfers and
-incoming notifications (with NIXL's progress thread off, this polling *is* what moves data; NIXL.md).
+incoming notifications (with NIXL's progress thread off, this polling *is* what moves data).
 
 The loop is event-driven: while the core reports latency-critical work (a transfer in flight, a request
 waiting for a notification) it sleeps HOT_POLL_S between turns; otherwise it blocks on its wake event for
@@ -30,7 +30,7 @@ DRAIN_S = 2.0  # on shutdown, how long in-flight transfers get to finish before 
 
 
 class Core(Protocol):
-    """A mode's transfer-thread half (pull.py, push_send.py, push_recv.py). Called only on the thread."""
+    """What the loop drives each turn (worker.py's dispatch over a mode's core). Called only on the thread."""
 
     def progress(self, now: float) -> bool:
         """Poll posted transfers and notifications; True while latency-critical work is pending."""
@@ -41,7 +41,7 @@ class Core(Protocol):
         ...
 
 
-class TransferThread:
+class TransferLoop:
     def __init__(self, name: str) -> None:
         self.name = name
         self._commands: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()

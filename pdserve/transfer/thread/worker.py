@@ -13,17 +13,18 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pdserve.config import TransferConfig
-from pdserve.transfer.agent import AgentError, NixlAgent
 from pdserve.transfer.base import ConnectorWorker, KVCacheSpec, StepMeta, TransferResults, TransferStats
-from pdserve.transfer.handshake import SideChannel
 from pdserve.transfer.layout import BlockLayout
-from pdserve.transfer.peers import Peers
-from pdserve.transfer.results import ResultSink
-from pdserve.transfer.staging import Stager, make_stager
+from pdserve.transfer.staging import make_stager
+from pdserve.transfer.thread.agent import AgentError, NixlAgent
+from pdserve.transfer.thread.context import ModeCore, TransferContext
+from pdserve.transfer.thread.handshake import SideChannel
+from pdserve.transfer.thread.loop import TransferLoop
+from pdserve.transfer.thread.peers import Peers
+from pdserve.transfer.thread.results import ResultSink
 from pdserve.transfer.wire import (
     WIRE_VERSION,
     HandshakeReply,
@@ -37,33 +38,8 @@ from pdserve.transfer.wire import (
     decode,
     incompatibility,
 )
-from pdserve.transfer.writer import TransferThread
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TransferContext:
-    """What a mode's core works with; everything here is used on the transfer thread only, except sink,
-    thread.post/call and side.request, which are thread-safe."""
-
-    cfg: TransferConfig
-    spec: KVCacheSpec
-    layout: BlockLayout  # this instance's KV cache
-    agent: NixlAgent
-    local: PeerInfo  # this instance's handshake payload
-    side: SideChannel
-    thread: TransferThread
-    sink: ResultSink
-    peers: Peers
-    stager: Stager | None = None  # kv_buffer_device "cpu" with a CUDA cache: NIXL moves a host mirror (staging.py)
-
-
-class ModeCore(Protocol):
-    def on_step(self, meta: StepMeta, now: float) -> None: ...
-    def on_notif(self, sender: str, msg: Message, now: float) -> None: ...
-    def progress(self, now: float) -> bool: ...
-    def in_flight(self) -> bool: ...
 
 
 class _Dispatch:
@@ -121,7 +97,7 @@ class NixlWorker(ConnectorWorker):
         self.cfg = cfg
         self.side = side
         self.sink = ResultSink()
-        self.thread = TransferThread(f"pdserve-transfer-{cfg.engine_id}")
+        self.thread = TransferLoop(f"pdserve-transfer-{cfg.engine_id}")
         self.ctx: TransferContext | None = None
         self._core: ModeCore | None = None
         self._started = False
@@ -131,16 +107,15 @@ class NixlWorker(ConnectorWorker):
 
     def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
         name = f"{self.cfg.engine_id}-r{spec.tp_rank}-{uuid.uuid4().hex[:8]}"
-        stager = make_stager(self.cfg.kv_buffer_device, kv_cache)
+        stager = make_stager(self.cfg.kv_buffer_device, kv_cache, self.cfg.faults)
         if stager is not None:  # NIXL, the layout and the handshake see the mirror, never the cache itself
             kv_cache, spec = stager.mirror, stager.spec(spec)
         agent = NixlAgent(name, kv_cache, spec)
-        ctx = TransferContext(
-            self.cfg, spec, BlockLayout.from_spec(spec), agent, local_peer_info(self.cfg, spec, agent),
-            self.side, self.thread, self.sink, None, stager,  # type: ignore[arg-type]
-        )  # fmt: skip
-        ctx.peers = Peers(ctx)
-        self.ctx = ctx
+        local = local_peer_info(self.cfg, spec, agent)
+        peers = Peers(agent, local, self.side, self.thread)
+        self.ctx = TransferContext(
+            self.cfg, spec, BlockLayout.from_spec(spec), agent, local, self.side, self.thread, self.sink, peers, stager
+        )
 
     def start(self, wakeup: Callable[[], None]) -> None:
         # Start order: transfer thread, then side channel (a handshake may post work to the thread at once).

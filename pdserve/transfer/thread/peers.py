@@ -9,15 +9,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-from pdserve.transfer.agent import AgentError
-from pdserve.transfer.handshake import REFUSED
 from pdserve.transfer.layout import BlockLayout
+from pdserve.transfer.thread.agent import AgentError, NixlAgent
+from pdserve.transfer.thread.handshake import REFUSED, SideChannel
+from pdserve.transfer.thread.loop import TransferLoop
 from pdserve.transfer.wire import HandshakeReply, HandshakeRequest, Message, PeerInfo, Ping, Pong, incompatibility
-
-if TYPE_CHECKING:
-    from pdserve.transfer.worker import TransferContext
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +45,11 @@ def layout_of(info: PeerInfo) -> BlockLayout:
 
 
 class Peers:
-    def __init__(self, ctx: TransferContext) -> None:
-        self.ctx = ctx
+    """Owned by the transfer thread's context; uses the agent, this instance's handshake payload, the side
+    channel (handshakes and probes, answered on its thread) and the loop (to bring answers back here)."""
+
+    def __init__(self, agent: NixlAgent, local: PeerInfo, side: SideChannel, loop: TransferLoop) -> None:
+        self.agent, self.local, self.side, self.loop = agent, local, side, loop
         self._by_addr: dict[tuple[str, int], Peer] = {}  # producers we handshook with
         self._by_agent: dict[str, Peer] = {}  # every loaded remote agent
         self._waiting: dict[tuple[str, int], list[tuple[str | None, PeerCallback]]] = {}  # handshakes in flight
@@ -73,9 +73,9 @@ class Peers:
         waiters.append((engine_id, callback))
         if len(waiters) > 1:
             return  # a handshake with this address is already in flight
-        req = HandshakeRequest(self.ctx.local, load_me)
-        self.ctx.side.request(
-            host, port, req, HANDSHAKE_TIMEOUT_S, lambda r, e: self.ctx.thread.post(lambda: self._on_reply(key, r, e))
+        req = HandshakeRequest(self.local, load_me)
+        self.side.request(
+            host, port, req, HANDSHAKE_TIMEOUT_S, lambda r, e: self.loop.post(lambda: self._on_reply(key, r, e))
         )
 
     def _on_reply(self, key: tuple[str, int], reply: Message | None, error: str | None) -> None:
@@ -92,7 +92,7 @@ class Peers:
     def _accept_reply(self, key: tuple[str, int], reply: Message | None) -> tuple[Peer | None, str | None]:
         if not isinstance(reply, HandshakeReply):
             return None, f"unexpected handshake reply {type(reply).__name__}"
-        err = incompatibility(self.ctx.local, reply.peer) if reply.peer is not None else None
+        err = incompatibility(self.local, reply.peer) if reply.peer is not None else None
         if err is not None:  # (also when the peer refused us for it: word it from this side)
             return None, err
         if not reply.ok or reply.peer is None:
@@ -115,7 +115,7 @@ class Peers:
     def _load(self, info: PeerInfo) -> Peer:
         peer = self._by_agent.get(info.agent_name)
         if peer is None:
-            name = self.ctx.agent.add_peer(info.agent_metadata)
+            name = self.agent.add_peer(info.agent_metadata)
             if name != info.agent_name:
                 log.warning("agent metadata names %r, handshake said %r", name, info.agent_name)
             info = replace(info, agent_name=name, agent_metadata=b"")  # the metadata is not needed again
@@ -128,7 +128,7 @@ class Peers:
         if self._by_agent.pop(peer.agent_name, None) is None:
             return
         self._by_addr = {k: p for k, p in self._by_addr.items() if p is not peer}
-        self.ctx.agent.remove_peer(peer.agent_name)
+        self.agent.remove_peer(peer.agent_name)
         log.info("forgot peer %s (%s)", peer.engine_id, peer.agent_name)
 
     # ---- liveness -----------------------------------------------------------------------------------------------
@@ -141,6 +141,6 @@ class Peers:
                 alive: bool | None = reply.agent_name == peer.agent_name
             else:
                 alive = False if error and REFUSED in error else None
-            self.ctx.thread.post(lambda: callback(alive))
+            self.loop.post(lambda: callback(alive))
 
-        self.ctx.side.request(host, port, Ping(), PROBE_TIMEOUT_S, on_reply)
+        self.side.request(host, port, Ping(), PROBE_TIMEOUT_S, on_reply)

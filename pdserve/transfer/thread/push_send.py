@@ -24,10 +24,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.transfer.agent import AgentError, PeerGone, Xfer
 from pdserve.transfer.base import SendTask
+from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.layout import LayoutError, descriptors, token_segments
-from pdserve.transfer.peers import Peer
+from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
+from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.peers import Peer
+from pdserve.transfer.thread.results import SendOutcome
 from pdserve.transfer.wire import (
     Message,
     PushCancel,
@@ -38,7 +41,6 @@ from pdserve.transfer.wire import (
     PushRegister,
     encode,
 )
-from pdserve.transfer.worker import TransferContext
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +118,17 @@ class SendSide:
 
     # ---- the finished prefill ---------------------------------------------------------------------------------------
     def on_send(self, task: SendTask, now: float) -> None:
-        delay = self.ctx.cfg.debug_delay_finish_s  # test hook: force the registration-first order
-        if delay > 0:
-            self.ctx.thread.call_at(now + delay, lambda: self._add_send(task, time.monotonic()))
-        else:
-            self._add_send(task, now)
+        self.ctx.cfg.faults.defer(FaultPoint.SEND_READY, self.ctx.thread.call_at,
+                                  lambda: self._add_send(task, time.monotonic()))  # fmt: skip
 
     def _add_send(self, task: SendTask, now: float) -> None:
-        tid = str(task.params.get("transfer_id"))
+        tid = task.transfer_id
+        assert tid is not None  # the push scheduler half sends only tasks with a transfer id
         self._unexpect(task.request_id)
         r = self.rv.get(tid) or _Rendezvous(tid)
         if r.send is not None or r.writing or tid in self.finished:
             log.warning("push: a second prefill for transfer %s (request %s); freeing it", tid, task.request_id)
-            self.ctx.sink.send_finished(task.request_id, "failed")
+            self.ctx.sink.send_finished(task.request_id, SendOutcome.FAILED)
             return
         self.rv[tid] = r
         r.send = task
@@ -143,7 +143,7 @@ class SendSide:
             return
         log.info("push: no registration for %s within %g s; freeing its blocks", tid, self.ctx.cfg.lease_s)
         r.send = None
-        self.ctx.sink.send_finished(task.request_id, "expired")
+        self.ctx.sink.send_finished(task.request_id, SendOutcome.EXPIRED)
         self._done(r, -1, "the prefill's KV expired before D registered")
 
     # ---- D's messages -----------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ class SendSide:
             )
             local, remote = descriptors(self.ctx.layout, peer.layout, segs)
         except LayoutError as e:
-            self._write_over(r, "failed", f"cannot write: {e}")
+            self._write_over(r, SendOutcome.FAILED, f"cannot write: {e}")
             return
         nbytes = int(local[:, 1].sum()) if len(local) else 0
         done = encode(PushDone(r.transfer_id, msg.attempt, self._rank, self.ctx.spec.tp_size, nbytes))
@@ -256,7 +256,7 @@ class SendSide:
         except (AgentError, RuntimeError) as e:
             if isinstance(e, PeerGone):
                 self.ctx.peers.forget(peer)
-            self._write_over(r, "failed", f"WRITE to {peer.engine_id} not posted: {e}")
+            self._write_over(r, SendOutcome.FAILED, f"WRITE to {peer.engine_id} not posted: {e}")
             return
         self.ctx.sink.event(send.request_id, "transfer_posted", posted_wall)
         self._check(r)
@@ -274,39 +274,40 @@ class SendSide:
 
     def _check(self, r: _Rendezvous) -> None:
         if r.xfer is None:  # zero tokens: the notification was the whole transfer
-            self._write_over(r, "ok", None)
+            self._write_over(r, SendOutcome.OK, None)
             return
         peer = r.write_reg.peer  # type: ignore[union-attr]
         try:
             state = self.ctx.agent.check(r.xfer)
         except PeerGone as e:
             self.ctx.peers.forget(peer)
-            self._write_over(r, "failed", f"decode instance {peer.engine_id} went away: {e}")
+            self._write_over(r, SendOutcome.FAILED, f"decode instance {peer.engine_id} went away: {e}")
             return
-        if state == "DONE":
-            self._write_over(r, "ok", None)
-        elif state == "ERR":
-            self._write_over(r, "failed", f"WRITE to {peer.engine_id} failed")
+        if state is XferState.DONE:
+            self._write_over(r, SendOutcome.OK, None)
+        elif state is XferState.ERR:
+            self._write_over(r, SendOutcome.FAILED, f"WRITE to {peer.engine_id} failed")
 
-    def _write_over(self, r: _Rendezvous, outcome: str, error: str | None) -> None:
+    def _write_over(self, r: _Rendezvous, outcome: SendOutcome, error: str | None) -> None:
         """Nothing more can land in D's blocks: free P's blocks and tell D how it ended."""
         reg, send = r.write_reg, r.send
         assert reg is not None and send is not None
-        nbytes = r.xfer.num_bytes if r.xfer is not None and outcome == "ok" else 0
-        secs = time.monotonic() - r.posted_at if r.xfer is not None and outcome == "ok" else None
+        ok = outcome is SendOutcome.OK
+        nbytes = r.xfer.num_bytes if r.xfer is not None and ok else 0
+        secs = time.monotonic() - r.posted_at if r.xfer is not None and ok else None
         r.write_reg, r.xfer, r.send = None, None, None
-        if outcome == "ok":
+        if ok:
             self.ctx.sink.event(send.request_id, "transfer_done")
         else:
             log.warning("push %s attempt %d: %s", r.transfer_id, reg.msg.attempt, error)
         self.ctx.sink.send_finished(send.request_id, outcome, nbytes, secs)
         attempt = reg.msg.attempt
         if r.cancel_asked:
-            self._notify(reg.peer.agent_name, PushCancelAck(r.transfer_id, attempt, self._rank, outcome == "ok"))
+            self._notify(reg.peer.agent_name, PushCancelAck(r.transfer_id, attempt, self._rank, ok))
         elif error is not None:
             self._fail(reg.peer, r.transfer_id, attempt, error)
-        self._done(r, attempt if outcome == "ok" else -1, f"the KV was already written for attempt {attempt}"
-                   if outcome == "ok" else f"the transfer failed: {error}")  # fmt: skip
+        self._done(r, attempt if ok else -1, f"the KV was already written for attempt {attempt}"
+                   if ok else f"the transfer failed: {error}")  # fmt: skip
 
     def _done(self, r: _Rendezvous, attempt: int, why: str) -> None:
         """This transfer id will never be written (again): refuse what is pending and what comes later."""

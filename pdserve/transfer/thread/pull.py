@@ -1,4 +1,5 @@
-"""Pull mode: D READs P's pinned blocks after P has finished (DESIGN.md, "Pull").
+"""Pull mode on the transfer thread: D READs P's pinned blocks after P has finished (docs/architecture.md).
+The scheduler half is scheduler/pull.py.
 
 P (on_request_finished with do_remote_decode) pins the request's blocks under a lease and answers with its
 block coordinates; D handshakes with P once per address, READs the token range it lacks, reports the recv
@@ -9,19 +10,22 @@ D reports the recv first and releases after (measured on this machine: ~30 us vs
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
-from pdserve.transfer.agent import AgentError, PeerGone, Xfer
-from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask, StepMeta
+from pdserve.transfer.base import RecvTask, SendTask, StepMeta
 from pdserve.transfer.layout import LayoutError, descriptors, num_bytes, token_segments
-from pdserve.transfer.peers import Peer
-from pdserve.transfer.scheduler_base import SchedulerBase
+from pdserve.transfer.params import PullSource
+from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
+from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.landing import land
+from pdserve.transfer.thread.peers import Peer
+from pdserve.transfer.thread.results import SendOutcome
+from pdserve.transfer.thread.worker import NixlWorker
 from pdserve.transfer.wire import Message, PullRelease, encode
-from pdserve.transfer.worker import NixlWorker, TransferContext
 
 log = logging.getLogger(__name__)
 
@@ -29,56 +33,12 @@ ABORT_RETRY_S = 1.0  # a timed-out READ NIXL could not cancel is retried this of
 MAX_EARLY_RELEASES = 4096  # releases that arrived before their SendTask (kept briefly)
 
 
-class PullScheduler(SchedulerBase, ConnectorScheduler):
-    def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: dict[str, Any] | None
-    ) -> tuple[bool, dict[str, Any] | None]:
-        self.forget(request_id)
-        if not (params and params.get("do_remote_decode")):
-            return False, None
-        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens, dict(params)))
-        return True, {
-            "do_remote_prefill": True,
-            "remote_engine_id": self.cfg.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": list(block_ids),
-            "remote_request_id": request_id,
-            "remote_num_tokens": num_tokens,
-            "remote_block_size": self.block_size,
-            "tp_size": self.tp_size,
-            "transfer_mode": "pull",
-        }
+class ReadState(enum.Enum):
+    """D: a pull's steps, in order (STAGING only with a host mirror)."""
 
-
-@dataclass(frozen=True)
-class PullParams:
-    """D's view of P's answer (kv_transfer_params), validated."""
-
-    host: str
-    port: int
-    engine_id: str | None
-    block_ids: list[int]
-    request_id: str
-    num_tokens: int
-    block_size: int | None
-
-    @classmethod
-    def parse(cls, p: dict[str, Any]) -> PullParams:
-        mode = p.get("transfer_mode", "pull")
-        if mode != "pull":
-            raise ValueError(f"kv_transfer_params are for {mode} mode, this instance is in pull mode")
-        try:
-            ids = p["remote_block_ids"]
-            out = cls(str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"), ids,
-                      str(p["remote_request_id"]), int(p["remote_num_tokens"]), p.get("remote_block_size"))  # fmt: skip
-        except KeyError as e:
-            raise ValueError(f"kv_transfer_params lack {e} for a pull") from None
-        except (TypeError, ValueError) as e:  # the message names the bad value
-            raise ValueError(f"kv_transfer_params hold a malformed value for a pull: {e}") from None
-        if not isinstance(ids, list) or any(type(b) is not int for b in ids):
-            raise ValueError("kv_transfer_params remote_block_ids must be a list of ints")
-        return out
+    HANDSHAKE = "handshake"  # waiting for P's handshake
+    READING = "reading"  # READ posted
+    STAGING = "staging"  # landed in the mirror; copy-in pending (nothing more lands)
 
 
 @dataclass
@@ -86,8 +46,8 @@ class _Read:
     """D: one request's pull, from handshake to READ done."""
 
     task: RecvTask
-    remote: PullParams
-    state: str = "handshake"  # "handshake" -> "reading" (-> "staging": landed in the mirror, copy-in pending)
+    remote: PullSource
+    state: ReadState = ReadState.HANDSHAKE
     peer: Peer | None = None
     xfer: Xfer | None = None
     cancelled: bool = False  # aborted by the engine: report as cancelled when the READ is over
@@ -116,7 +76,7 @@ class PullCore:
             log.warning("pull: ignoring %s from %s", type(msg).__name__, sender)
             return
         if self.pinned.pop(msg.request_id, None) is not None:
-            self.ctx.sink.send_finished(msg.request_id, "ok" if msg.ok else "failed", msg.num_bytes)
+            self.ctx.sink.send_finished(msg.request_id, SendOutcome.OK if msg.ok else SendOutcome.FAILED, msg.num_bytes)
             return
         self.early[msg.request_id] = msg
         while len(self.early) > MAX_EARLY_RELEASES:
@@ -124,19 +84,19 @@ class PullCore:
 
     def progress(self, now: float) -> bool:
         for rid, rd in list(self.reads.items()):
-            if rd.state == "reading":
+            if rd.state is ReadState.READING:
                 self._check(rid, rd)
         # P polls fast while it has pinned blocks: D's next READ after a release completes only once P polls
-        return bool(self.pinned) or any(rd.state == "reading" for rd in self.reads.values())
+        return bool(self.pinned) or any(rd.state is ReadState.READING for rd in self.reads.values())
 
     def in_flight(self) -> bool:
-        return any(rd.state == "reading" for rd in self.reads.values())
+        return any(rd.state is ReadState.READING for rd in self.reads.values())
 
     # ---- P side -----------------------------------------------------------------------------------------------------
     def _pin(self, send: SendTask, now: float) -> None:
         rid = send.request_id
         if (rel := self.early.pop(rid, None)) is not None:
-            self.ctx.sink.send_finished(rid, "ok" if rel.ok else "failed", rel.num_bytes)
+            self.ctx.sink.send_finished(rid, SendOutcome.OK if rel.ok else SendOutcome.FAILED, rel.num_bytes)
             return
         self.pinned[rid] = send
         self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire(rid, send))
@@ -145,15 +105,13 @@ class PullCore:
         if self.pinned.get(rid) is send:
             del self.pinned[rid]
             log.info("pull: lease of %s expired after %g s; freeing its blocks", rid, self.ctx.cfg.lease_s)
-            self.ctx.sink.send_finished(rid, "expired")
+            self.ctx.sink.send_finished(rid, SendOutcome.EXPIRED)
 
     # ---- D side -----------------------------------------------------------------------------------------------------
     def _start(self, task: RecvTask, now: float) -> None:
-        rid = task.request_id
-        try:
-            remote = PullParams.parse(task.params)
-        except ValueError as e:
-            self.ctx.sink.recv_failed(rid, str(e))
+        rid, remote = task.request_id, task.source
+        if not isinstance(remote, PullSource):  # a deployment mixing modes: fail it (the router's 502)
+            self.ctx.sink.recv_failed(rid, "kv_transfer_params are for push mode, this instance is in pull mode")
             return
         end = task.start_token + task.num_tokens
         if end > remote.num_tokens:
@@ -194,7 +152,7 @@ class PullCore:
                 self.ctx.peers.forget(peer)
             self._end(rid, rd, f"READ from {peer.engine_id} not posted: {e}")
             return
-        rd.state = "reading"
+        rd.state = ReadState.READING
         self.ctx.sink.event(rid, "transfer_posted", posted_wall)
         if num_bytes(self.ctx.layout, segs) != rd.xfer.num_bytes:  # a bug in layout.py, never the peer's fault
             log.error("pull: descriptor bytes %d != segment bytes", rd.xfer.num_bytes)
@@ -208,34 +166,20 @@ class PullCore:
             self.ctx.peers.forget(rd.peer)
             self._end(rid, rd, f"prefill instance {rd.peer.engine_id} went away during the READ: {e}")
             return
-        if state == "DONE":
+        if state is XferState.DONE:
             self.ctx.sink.event(rid, "transfer_done")
             self._landed(rid, rd)
-        elif state == "ERR":
+        elif state is XferState.ERR:
             self._end(rid, rd, f"READ from {rd.peer.engine_id} failed")
 
     def _landed(self, rid: str, rd: _Read) -> None:
         """The READ is DONE. Staging: the data is in the mirror; copy it into the KV cache before reporting."""
-        stager = self.ctx.stager
-        if stager is None or rd.cancelled:
+        if rd.cancelled:
             self._end(rid, rd, None)
             return
-        rd.state = "staging"
-        if stager.delay_in_s > 0:  # test hook
-            self.ctx.thread.call_at(time.monotonic() + stager.delay_in_s, lambda: self._stage_in(rid, rd))
-        else:
-            self._stage_in(rid, rd)
-
-    def _stage_in(self, rid: str, rd: _Read) -> None:
-        if self.reads.get(rid) is not rd:
-            return  # cancelled meanwhile (reported already)
-        assert self.ctx.stager is not None
-        try:
-            self.ctx.stager.stage_in(rd.task.block_ids, rd.task.start_token, rd.task.num_tokens)
-        except Exception as e:  # noqa: BLE001 - a failed copy fails this recv, not the thread
-            self._end(rid, rd, f"copy from the host staging buffer failed: {e}")
-            return
-        self._end(rid, rd, None)
+        if self.ctx.stager is not None:
+            rd.state = ReadState.STAGING
+        land(self.ctx, rd.task, lambda: self.reads.get(rid) is rd, lambda error: self._end(rid, rd, error))
 
     def _end(self, rid: str, rd: _Read, error: str | None) -> None:
         """The recv is over and its blocks are safe: report it once, then free P's blocks."""
@@ -262,10 +206,10 @@ class PullCore:
                 self.ctx.peers.forget(rd.peer)
 
     def _timeout(self, rid: str, rd: _Read) -> None:
-        if self.reads.get(rid) is not rd or rd.state == "staging":
+        if self.reads.get(rid) is not rd or rd.state is ReadState.STAGING:
             return
         timeout = self.ctx.cfg.recv_timeout_s
-        if rd.state == "handshake":
+        if rd.state is ReadState.HANDSHAKE:
             self._end(rid, rd, f"no handshake with {rd.remote.host}:{rd.remote.port} within {timeout:g} s")
         elif rd.xfer is not None and self.ctx.agent.abort(rd.xfer):
             self._end(rid, rd, f"READ not done within {timeout:g} s (cancelled)")
@@ -277,7 +221,10 @@ class PullCore:
         if rd is None:
             return  # already reported (finished or failed): the engine frees the blocks on that result
         rd.cancelled = True
-        if rd.state in ("handshake", "staging"):  # staging: the data is in the mirror, nothing more lands
+        if rd.state in (
+            ReadState.HANDSHAKE,
+            ReadState.STAGING,
+        ):  # staging: the data is in the mirror, nothing more lands
             self._end(rid, rd, None)
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
 
 from pdserve.transfer.base import TransferResults, TransferStats
+
+
+class SendOutcome(enum.Enum):
+    """How P's hand-over of a request's blocks ended (each counts in a different /metrics series)."""
+
+    OK = "ok"  # consumed by D
+    FAILED = "failed"
+    EXPIRED = "expired"  # nobody consumed it within lease_s
 
 
 class ResultSink:
@@ -40,14 +49,16 @@ class ResultSink:
             self._results.cancelled_recvs.append(request_id)
         self.wakeup()
 
-    def send_finished(self, request_id: str, outcome: str, num_bytes: int = 0, seconds: float | None = None) -> None:
-        """outcome: "ok" (consumed), "failed" or "expired" (lease ran out); P may free the blocks now."""
+    def send_finished(
+        self, request_id: str, outcome: SendOutcome, num_bytes: int = 0, seconds: float | None = None
+    ) -> None:
+        """P may free the request's blocks now."""
         with self._lock:
             self._results.finished_sends.append(request_id)
             self._stats.sent_bytes += num_bytes
-            if outcome == "ok":
+            if outcome is SendOutcome.OK:
                 self._stats.transfers_ok += 1
-            elif outcome == "expired":
+            elif outcome is SendOutcome.EXPIRED:
                 self._stats.transfers_expired += 1
             else:
                 self._stats.transfers_failed += 1

@@ -1,0 +1,60 @@
+"""Test-only faults: the one object through which tests delay or force what production never does.
+
+A test harness builds a Faults and hands it to the server (`pdserve.server.cli.run(args, faults=...)`, as
+tests/e2e/serve_with_faults.py does) or to the connectors (TransferConfig.faults); no flag, no environment
+variable. The default, NO_FAULTS, costs one comparison per fault point.
+The fault suite of issue 12 (drop, duplicate, reorder notifications; kill at a protocol step) adds points here.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class FaultPoint(enum.Enum):
+    """Where a transfer can be held back (transfer thread)."""
+
+    SEND_READY = "send_ready"  # P (push): a finished prefill reaches the rendezvous (forces registration first)
+    REGISTER = "register"  # D (push): the registration is sent (forces the prefill first)
+    STAGE_IN = "stage_in"  # D: landed KV is copied from the host mirror into the KV cache
+
+
+@dataclass(frozen=True)
+class Faults:
+    delay_send_ready_s: float = 0.0  # FaultPoint.SEND_READY
+    delay_register_s: float = 0.0  # FaultPoint.REGISTER
+    delay_stage_in_s: float = 0.0  # FaultPoint.STAGE_IN
+    force_staging: bool = False  # a host mirror even for a CPU cache (staging.py), so CPU tests copy
+
+    def __post_init__(self) -> None:
+        for point in FaultPoint:
+            if not self.delay_s(point) >= 0:
+                raise ValueError(f"delay_{point.value}_s must be >= 0, got {self.delay_s(point)}")
+
+    def delay_s(self, point: FaultPoint) -> float:
+        return float(getattr(self, f"delay_{point.value}_s"))
+
+    def defer(
+        self, point: FaultPoint, call_at: Callable[[float, Callable[[], Any]], None], fn: Callable[[], Any]
+    ) -> None:
+        """Run fn now, or through call_at(time.monotonic() + delay, fn) when point is delayed."""
+        delay = self.delay_s(point)
+        if delay > 0:
+            call_at(time.monotonic() + delay, fn)
+        else:
+            fn()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Faults:
+        return cls(**json.loads(text))
+
+
+NO_FAULTS = Faults()

@@ -1,0 +1,43 @@
+"""What a mode's transfer-thread core works with (TransferContext) and what it offers the loop (ModeCore)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.config import TransferConfig
+from pdserve.transfer.base import KVCacheSpec, StepMeta
+from pdserve.transfer.layout import BlockLayout
+from pdserve.transfer.staging import Stager
+from pdserve.transfer.thread.agent import NixlAgent
+from pdserve.transfer.thread.handshake import SideChannel
+from pdserve.transfer.thread.loop import TransferLoop
+from pdserve.transfer.thread.peers import Peers
+from pdserve.transfer.thread.results import ResultSink
+from pdserve.transfer.wire import Message, PeerInfo
+
+
+@dataclass
+class TransferContext:
+    """Everything here is used on the transfer thread only, except sink, thread.post/call and side.request,
+    which are thread-safe. Built once, complete, by NixlWorker.register_kv_cache()."""
+
+    cfg: TransferConfig
+    spec: KVCacheSpec
+    layout: BlockLayout  # this instance's KV cache
+    agent: NixlAgent
+    local: PeerInfo  # this instance's handshake payload
+    side: SideChannel
+    thread: TransferLoop
+    sink: ResultSink
+    peers: Peers
+    stager: Stager | None = None  # kv_buffer_device "cpu" with a CUDA cache: NIXL moves a host mirror (staging.py)
+
+
+class ModeCore(Protocol):
+    """A mode's transfer-thread half (thread/pull.py, thread/push.py); called only on the transfer thread."""
+
+    def on_step(self, meta: StepMeta, now: float) -> None: ...
+    def on_notif(self, sender: str, msg: Message, now: float) -> None: ...
+    def progress(self, now: float) -> bool: ...
+    def in_flight(self) -> bool: ...
