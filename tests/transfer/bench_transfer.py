@@ -84,7 +84,7 @@ def cpu_cost(seconds: float = 5.0) -> None:
     from pdserve.transfer.factory import make_connectors
 
     sched, worker = make_connectors(TransferConfig(role="prefill", mode="pull", side_channel_port=0, lease_s=100), 16)
-    kv = torch.zeros(2, 2, 16, 16, 2, 4)
+    kv = torch.zeros(16, 2, 2, 16, 2, 4)  # [blocks, layers, 2, block_size, heads, head_dim]
     worker.register_kv_cache(kv, KVCacheSpec(kv.data_ptr(), 2, 16, 16, 2, 4, 4, "DRAM", 0, "m", "float32"))
     worker.start(lambda: None)
 
