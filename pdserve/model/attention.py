@@ -4,7 +4,8 @@ The KV cache is block-major, [num_blocks, num_layers, 2, block_size, num_kv_head
 engine/kv_cache.py). One layer is the strided view layer_view() gives, [2, num_blocks, block_size, num_kv_heads,
 head_dim]; index 0 holds K, index 1 holds V; consecutive blocks are num_layers * 2 * block_size * num_kv_heads *
 head_dim elements apart, so no kernel may flatten (blocks, rows) into one dimension. A token at position p of a
-sequence lives in block block_table[p // block_size], row p % block_size. The runner builds one AttentionContext per step and passes it explicitly (no global state).
+sequence lives in block block_table[p // block_size], row p % block_size. The runner builds one
+AttentionContext per step and passes it explicitly (no global state).
 """
 
 from __future__ import annotations

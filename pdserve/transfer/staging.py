@@ -2,8 +2,8 @@
 
 For fabrics without GPUDirect. The mirror has the KV cache's block-major shape [num_blocks, num_layers, 2,
 block_size, num_kv_heads, head_dim] (pinned host memory) and is what NIXL registers (as DRAM) and what the
-handshake describes; block b of the mirror (one contiguous range) stages block b of the KV cache. Copies go by block id on a dedicated CUDA
-stream and are synchronized before anyone may rely on them:
+handshake describes; block b of the mirror (one contiguous range) stages block b of the KV cache. Copies go by
+block id on a dedicated CUDA stream and are synchronized before anyone may rely on them:
 
 - P, pull: `stage_out` on the engine thread inside NixlWorker.submit(), before the SendTask is posted. The
   engine returns a step's outputs (P's response carrying the pull coordinates) only after that step's

@@ -73,7 +73,7 @@ def test_prefix_caching_off_never_hits():
 
 def runs(block_ids: list[int]) -> int:
     """Runs of consecutive ascending ids (what one block-major transfer costs in descriptors, one side)."""
-    return 1 + sum(1 for a, b in zip(block_ids, block_ids[1:]) if b != a + 1) if block_ids else 0
+    return 1 + sum(1 for a, b in zip(block_ids, block_ids[1:], strict=False) if b != a + 1) if block_ids else 0
 
 
 def test_fresh_pool_hands_out_one_run_and_free_merges_it_back():
