@@ -299,7 +299,8 @@ def main() -> None:
         with open(a.out, "w") as f:
             json.dump({"shape": a.shape, "date": time.strftime("%Y-%m-%d"), "block_size": a.block_size,
                        "pool_blocks": a.pool_blocks, "churn": a.churn, "repeat": a.repeat,
-                       "device": "gpu" if a.prefill_gpu >= 0 else "cpu", "rows": rows}, f, indent=1)  # fmt: skip
+                       "device": "gpu" if a.prefill_gpu >= 0 else "cpu",
+                       "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "rows": rows}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
