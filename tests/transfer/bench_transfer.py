@@ -4,8 +4,8 @@
     .venv/bin/python tests/transfer/bench_transfer.py --cpu   # what the transfer thread costs, idle and hot
 
 Shape: SmolLM2-135M (30 layers, 3 KV heads, head dim 64, float32): 46 KB per token, 23.6 MB for 512 tokens.
-Blocks are scattered (a random permutation) on both sides, so every block is its own descriptor per layer
-(1920 descriptors for 512 tokens); --contiguous puts them in one run (merged: 60 descriptors).
+Blocks are scattered (a random permutation) on both sides, so every block is its own descriptor (the cache is
+block-major: 32 descriptors for 512 tokens); --contiguous puts them in one run (merged: 1 descriptor).
 Times come from the instances' own timeline events (time.time(), same host):
   pull: D "transfer_posted" -> D "kv_received" (the READ; the handshake is cached after the first request)
   push: P "transfer_posted" -> D "kv_received" (WRITE + completion notification + D noticing it)
