@@ -5,7 +5,8 @@ Invariants:
 - a free block may still carry a hash (it is then an evictable prefix-cache entry, counted as free); free blocks
   without a hash are kept as maximal runs of consecutive ids, free blocks with one in LRU order;
 - allocation takes blocks without a hash first; only when those are too few does it evict prefix-cache blocks
-  (least recently freed first, dropping their hash) into the runs, then takes its blocks from the runs.
+  into the runs (dropping their hash): the least recently freed one, then its free neighbours by id (so what
+  is evicted comes as runs; a neighbour may be more recently freed), then the next least recently freed one.
 
 Why runs: the KV cache is block-major, so a transfer costs one NIXL descriptor per run of blocks contiguous on
 both instances. Allocation takes the smallest run that holds the whole request (from its low end), or, when
@@ -65,17 +66,17 @@ class _Runs:
             del self._by_len[end - start]
         return end
 
-    def add(self, block_id: int) -> None:
-        """Insert one free block, merging it with the runs just before and after it."""
-        start, end = block_id, block_id + 1
-        left = self._start.get(block_id)
+    def add(self, block_id: int, end: int | None = None) -> None:
+        """Insert free blocks [block_id, end) (default: the one block), merging with the runs around them."""
+        start, end = block_id, block_id + 1 if end is None else end
+        self.count += end - start
+        left = self._start.get(start)
         if left is not None:
             self._drop_run(left)
             start = left
         if end in self._end:
             end = self._drop_run(end)
         self._add_run(start, end)
-        self.count += 1
 
     def take_after(self, block_id: int, n: int) -> list[int]:
         """Up to n blocks from the run starting at block_id + 1 (extending a request in place)."""
@@ -90,20 +91,27 @@ class _Runs:
         return list(range(start, start + k))
 
     def take(self, n: int) -> list[int]:
-        """n blocks (n <= count): the smallest run holding all n, else the longest runs first."""
-        out: list[int] = []
-        while len(out) < n:
-            need = n - len(out)
-            lengths = [length for length in self._by_len if length >= need]
-            length = min(lengths) if lengths else max(self._by_len)
-            start = min(self._by_len[length])
+        """n blocks (n <= count): the smallest run holding all n (its lowest), else the longest runs first."""
+        fits = [length for length in self._by_len if length >= n]
+        if fits:
+            start = min(self._by_len[min(fits)])
             end = self._drop_run(start)
-            k = min(need, end - start)
-            if start + k < end:
-                self._add_run(start + k, end)
-            out.extend(range(start, start + k))
-        self.count -= n
-        return out
+            if start + n < end:
+                self._add_run(start + n, end)
+            self.count -= n
+            return list(range(start, start + n))
+        out: list[int] = []
+        for length in sorted(self._by_len, reverse=True):  # no run holds n: whole runs, longest first
+            for start in sorted(self._by_len[length]):
+                k = min(n - len(out), length)
+                end = self._drop_run(start)
+                if start + k < end:
+                    self._add_run(start + k, end)
+                out.extend(range(start, start + k))
+                if len(out) == n:
+                    self.count -= n
+                    return out
+        raise AssertionError("take() asked for more blocks than the runs hold")
 
     def runs(self) -> list[tuple[int, int]]:
         """The free runs, sorted (for tests and benchmarks)."""
@@ -138,19 +146,30 @@ class BlockPool:
         after: the request's current last block; blocks right after it are taken first when free."""
         if n > self.num_free:
             raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
-        while self._runs.count < n:  # evict prefix-cache blocks into the runs, least recently freed first
-            block_id, _ = self._evictable.popitem(last=False)
-            h = self._hash[block_id]
-            if h is not None and self._cached.get(h) == block_id:
-                del self._cached[h]
-            self._hash[block_id] = None
-            self._runs.add(block_id)
+        while self._runs.count < n:  # evict prefix-cache blocks into the runs: the least recently freed one,
+            lo = hi = next(iter(self._evictable))  # then its free neighbours, so evictions come as runs
+            want = n - self._runs.count
+            while hi - lo + 1 < want and lo - 1 in self._evictable:  # down first: a request frees its tail
+                lo -= 1  # first, so its head is next in LRU order
+            while hi - lo + 1 < want and hi + 1 in self._evictable:
+                hi += 1
+            for block_id in range(lo, hi + 1):
+                self._drop_hash(block_id)
+            self._runs.add(lo, hi + 1)
         out = self._runs.take_after(after, n) if after is not None else []
         if len(out) < n:
             out.extend(self._runs.take(n - len(out)))
         for block_id in out:
             self._ref_cnt[block_id] = 1
         return out
+
+    def _drop_hash(self, block_id: int) -> None:
+        """Evict a free prefix-cache block (the caller puts it into the runs)."""
+        del self._evictable[block_id]
+        h = self._hash[block_id]
+        if h is not None and self._cached.get(h) == block_id:
+            del self._cached[h]
+        self._hash[block_id] = None
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block. Pass a request's blocks in reverse order so that its prefix,
