@@ -12,7 +12,8 @@ Why runs: the KV cache is block-major, so a transfer costs one NIXL descriptor p
 both instances. Allocation takes the smallest run that holds the whole request (from its low end), or, when
 none does, the longest runs first; allocate(after=...) first extends a request's last block in place. A freed
 block merges with its free neighbours, so a request's blocks come back as the run they were. Cost per
-allocation: O(blocks taken + distinct run lengths); per free: O(1) per block.
+allocation: O(blocks taken), plus a sort of the free runs when no single run holds the request; per free: O(1)
+per block. Measured: a 1,024-block request after heavy churn of a 22,800-block pool takes ~0.5 ms.
 
 Prefix-cache hashes are blake2b digests (128 bits) chained over the parent's digest and the token ids, so a hit
 is a match of every token from position 0 (a collision is as likely as guessing a 128-bit key), unlike a Python
