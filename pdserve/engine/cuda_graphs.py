@@ -34,7 +34,7 @@ class DecodeGraphs:
     def __init__(
         self,
         decoder: Decoder,
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         max_blocks_per_seq: int,  # width of the static block tables; longer sequences run eagerly
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     ) -> None:
@@ -165,5 +165,5 @@ class DecodeGraphs:
 
 def max_blocks_per_seq(kv_cache: torch.Tensor, max_position_embeddings: int) -> int:
     """Block-table width of the graphs: the model's longest sequence, at most every block of the cache."""
-    num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[3]
     return min(num_blocks, -(-max_position_embeddings // block_size))

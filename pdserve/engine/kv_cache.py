@@ -1,4 +1,21 @@
-"""The paged KV cache: one contiguous tensor a transfer layer can register once and address by block id."""
+"""The paged KV cache: one contiguous, block-major tensor a transfer layer can register once and address by block.
+
+Shape [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's K and V of every layer are
+one contiguous byte range, so moving a run of blocks between instances is one NIXL descriptor however many
+layers the model has (a layer-major cache needs 2 x layers descriptors per scattered block). Kernels see one
+layer through model.attention.layer_view(): a strided [2, num_blocks, block_size, num_kv_heads, head_dim] view
+whose block stride is num_layers * 2 * block_size * num_kv_heads * head_dim elements.
+
+Tokens before heads inside a block (not [..., num_kv_heads, block_size, head_dim]), decided on cost:
+- whole-block transfers, the case that matters, are one range either way;
+- a partial block (prefix hit, last block, P and D block sizes differ) stays one range per (layer, K/V) with
+  tokens outer; heads outer would make it one range per head, num_kv_heads times more descriptors;
+- a fused KV store writes a token's heads as one [num_kv_heads * head_dim] row, and the CPU path gathers
+  [tokens, heads, head_dim] as stored;
+- heads outer pays off only for a heterogeneous-TP transfer (one rank's head slice), which does not exist yet,
+  and even then is a range per (block, layer, K/V). Every kernel addresses the cache through strides, so that
+  choice would be this allocation plus layout.py's partial-block rows, not a kernel rewrite.
+"""
 
 from __future__ import annotations
 
@@ -27,13 +44,13 @@ def num_blocks_for(cfg: CacheConfig, arch: ModelArch, dtype: torch.dtype) -> int
 def allocate_kv_cache(
     arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed."""
-    shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zeroed."""
+    shape = (num_blocks, arch.num_layers, 2, block_size, arch.num_kv_heads, arch.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def kv_cache_spec(kv_cache: torch.Tensor, model_name: str, dtype_name: str) -> KVCacheSpec:
-    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     is_cuda = kv_cache.device.type == "cuda"
     return KVCacheSpec(
         base_addr=kv_cache.data_ptr(),

@@ -32,7 +32,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache or a remote prefill
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
-    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block, computed lazily
+    block_hashes: list[bytes] = field(default_factory=list)  # chained digest of each full block, computed lazily
     needs_remote_kv: bool = False  # D: prompt KV comes from a remote prefill
     remote_kv_ready: bool = False  # D: that KV has landed; compute only the last prompt token
     num_preemptions: int = 0

@@ -27,7 +27,7 @@ class Worker:
         self, decoder: Decoder, kv_cache: torch.Tensor, device: torch.device, use_cuda_graphs: bool = True
     ) -> None:
         self.decoder = decoder
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         self.block_size = kv_cache.shape[3]
         self.device = device
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps

@@ -229,7 +229,7 @@ class Scheduler:
             return True
         if need > self.pool.num_free:
             return False
-        req.block_ids.extend(self.pool.allocate(need))
+        req.block_ids.extend(self.pool.allocate(need, after=req.block_ids[-1] if req.block_ids else None))
         return True
 
     def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -261,7 +261,7 @@ class Scheduler:
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
 
-    def _hashes(self, req: Request, num_blocks: int) -> list[int]:
+    def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Chained hashes of the request's first num_blocks full blocks (memoised on the request)."""
         bs = self.block_size
         while len(req.block_hashes) < num_blocks:

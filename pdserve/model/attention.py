@@ -1,8 +1,11 @@
 """Attention over the paged KV cache (portable torch path: CPU and CUDA; CUDA fast path in cuda_attention.py).
 
-The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 holds K,
-index 1 holds V. A token at position p of a sequence lives in block block_table[p // block_size], row
-p % block_size. The runner builds one AttentionContext per step and passes it explicitly (no global state).
+The KV cache is block-major, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (see
+engine/kv_cache.py). One layer is the strided view layer_view() gives, [2, num_blocks, block_size, num_kv_heads,
+head_dim]; index 0 holds K, index 1 holds V; consecutive blocks are num_layers * 2 * block_size * num_kv_heads *
+head_dim elements apart, so no kernel may flatten (blocks, rows) into one dimension. A token at position p of a
+sequence lives in block block_table[p // block_size], row p % block_size. The runner builds one
+AttentionContext per step and passes it explicitly (no global state).
 """
 
 from __future__ import annotations
@@ -44,11 +47,17 @@ class AttentionContext:
     block_size: int
 
 
+def layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
+    """One layer of the block-major cache as a strided [2, num_blocks, block_size, num_kv_heads, head_dim] view."""
+    return kv_cache[:, layer].transpose(0, 1)
+
+
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V ([T, num_kv_heads, head_dim]) into their slots of one layer's cache."""
-    _, num_blocks, block_size, h, d = layer_cache.shape
-    layer_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping, k)
-    layer_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping, v)
+    """Store new K/V ([T, num_kv_heads, head_dim]) into their slots of one layer's (strided) cache."""
+    block_size = layer_cache.shape[2]
+    blocks, rows = slot_mapping // block_size, slot_mapping % block_size  # [T] each
+    layer_cache[0].index_put_((blocks, rows), k)
+    layer_cache[1].index_put_((blocks, rows), v)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -73,7 +82,7 @@ def cuda_kernels_usable(device: torch.device, head_dim: int) -> bool:
 
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], new K/V already written
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (strided), new K/V written
     ctx: AttentionContext,
     scale: float,
     k: torch.Tensor | None = None,  # [T, num_kv_heads, head_dim]: this step's keys, lets CUDA skip the gather

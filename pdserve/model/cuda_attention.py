@@ -127,7 +127,7 @@ def _decode_reduce_kernel(
 
 def decode_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim], may be a strided view (rows of a fused qkv)
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
     decode: DecodeBatch,
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim]: rows decode.rows are written
@@ -142,6 +142,7 @@ def decode_attention(
     acc = torch.empty((bsz, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((bsz, num_heads, splits), dtype=torch.float32, device=q.device)
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and out.stride(-1) == 1
+    assert v_cache.stride() == k_cache.stride()  # the kernel reads K and V at the same offsets (block stride)
     _decode_partial_kernel[(bsz, num_kv_heads, splits)](
         q,
         k_cache,
@@ -222,7 +223,7 @@ def paged_attention_cuda(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], fresh (rotated) keys of this step, also in the cache
     v: torch.Tensor,
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], new K/V written
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (strided), new K/V written
     ctx: AttentionContext,
     scale: float,
 ) -> torch.Tensor:

@@ -119,9 +119,11 @@ def _qkv_rope_store_kernel(
     V_CACHE,
     SLOTS,
     stride_t,
-    stride_slot,
+    stride_kb,
+    stride_kt,
     eps,
     max_pos,
+    PAGE: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -133,6 +135,7 @@ def _qkv_rope_store_kernel(
     d = tl.arange(0, HALF)
     base = QKV + t * stride_t + h * (2 * HALF)
     slot = tl.load(SLOTS + t)  # -1: a padding row of a captured graph, store nothing
+    cache_off = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kt  # block-major: blocks are strided apart
     if h < NUM_HEADS + NUM_KV_HEADS:
         x1 = tl.load(base + d).to(tl.float32)
         x2 = tl.load(base + HALF + d).to(tl.float32)
@@ -155,12 +158,12 @@ def _qkv_rope_store_kernel(
         tl.store(base + HALF + d, o2)
         if h >= NUM_HEADS:
             if slot >= 0:
-                dst = K_CACHE + slot * stride_slot + (h - NUM_HEADS) * (2 * HALF)
+                dst = K_CACHE + cache_off + (h - NUM_HEADS) * (2 * HALF)
                 tl.store(dst + d, o1)
                 tl.store(dst + HALF + d, o2)
     else:
         if slot >= 0:
-            dst = V_CACHE + slot * stride_slot + (h - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF)
+            dst = V_CACHE + cache_off + (h - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF)
             tl.store(dst + d, tl.load(base + d))
             tl.store(dst + HALF + d, tl.load(base + HALF + d))
 
@@ -171,8 +174,8 @@ def qkv_rope_store(
     cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2] float32: cos and sin of position * inv_freq
     q_norm_weight: torch.Tensor | None,  # [head_dim] (qwen3) or None
     k_norm_weight: torch.Tensor | None,
-    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [T] int64; -1 = do not store
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
+    slot_mapping: torch.Tensor,  # [T] int64 block_id * block_size + row; -1 = do not store
     num_heads: int,
     num_kv_heads: int,
     eps: float,
@@ -181,19 +184,23 @@ def qkv_rope_store(
     t = qkv.shape[0]
     head_dim = layer_cache.shape[-1]
     qk_norm = q_norm_weight is not None
+    k_cache = layer_cache[0]  # [num_blocks, block_size, num_kv_heads, head_dim]; a token's heads are one row
+    assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1 and layer_cache[1].stride() == k_cache.stride()
     _qkv_rope_store_kernel[(t, num_heads + 2 * num_kv_heads)](
         qkv,
         positions,
         cos_sin,
         q_norm_weight if qk_norm else cos_sin,
         k_norm_weight if qk_norm else cos_sin,
-        layer_cache[0],
+        k_cache,
         layer_cache[1],
         slot_mapping,
         qkv.stride(0),
-        num_kv_heads * head_dim,
+        k_cache.stride(0),
+        k_cache.stride(1),
         eps,
         cos_sin.shape[0],
+        PAGE=k_cache.shape[1],
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.arch import ModelArch
-from pdserve.model.attention import AttentionContext, cuda_kernels_usable, paged_attention, write_kv
+from pdserve.model.attention import AttentionContext, cuda_kernels_usable, layer_view, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):
@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
         ctx: AttentionContext,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -101,7 +101,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, hidden]: the residual stream, None before the first layer
         positions: torch.Tensor,  # [T] int64
         cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2] float32 (cuda_kernels.rope_cos_sin)
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
         ctx: AttentionContext,
         gemv: bool = False,  # one row: linear layers through the Triton GEMV instead of cuBLAS
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +160,7 @@ class Decoder(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         ctx: AttentionContext,
     ) -> torch.Tensor:
         if self.uses_fused_kernels(input_ids.device):
@@ -169,7 +169,7 @@ class Decoder(nn.Module):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim/2], float32
         cos, sin = freqs.cos().to(x.dtype).unsqueeze(1), freqs.sin().to(x.dtype).unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], ctx)
+            x = layer(x, cos, sin, layer_view(kv_cache, i), ctx)
         return self.norm(x)
 
     def _forward_fused(
@@ -182,7 +182,9 @@ class Decoder(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         gemv = input_ids.shape[0] <= min(self.gemv_max_rows, 1)  # the GEMV kernel takes one row
         for i, layer in enumerate(self.layers):
-            x, residual = layer.forward_fused(x, residual, positions, self._rope_table, kv_cache[i], ctx, gemv)
+            x, residual = layer.forward_fused(
+                x, residual, positions, self._rope_table, layer_view(kv_cache, i), ctx, gemv
+            )
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, Push
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of the registered KV cache: one contiguous buffer laid out as
-    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (2 = K then V)."""
+    """Shape of the registered KV cache: one contiguous, block-major buffer laid out as
+    [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (2 = K then V): one block's K and V of
+    every layer are one contiguous byte range (see layout.py)."""
 
     base_addr: int  # address of element 0 (host or device pointer)
     num_layers: int
@@ -49,13 +50,13 @@ class KVCacheSpec:
         return self.block_size * self.token_bytes
 
     @property
-    def region_stride(self) -> int:
-        """Bytes between consecutive (layer, k/v) regions."""
-        return self.num_blocks * self.block_bytes
+    def block_stride(self) -> int:
+        """Bytes of one block across every layer and K/V: the distance between consecutive blocks."""
+        return self.num_layers * 2 * self.block_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.num_layers * 2 * self.region_stride
+        return self.num_blocks * self.block_stride
 
 
 @dataclass(frozen=True)

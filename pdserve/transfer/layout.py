@@ -1,11 +1,17 @@
 """Layout math: block ids and a token range -> byte regions of two KV caches (pure math, no torch, no NIXL).
 
-Both caches are laid out as [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. A (layer, K/V)
-pair is a *region* of num_blocks * block_size tokens; token t of a request lives in region r at
-    base_addr + r * region_stride + block_ids[t // block_size] * block_bytes + (t % block_size) * token_bytes.
+Both caches are block-major: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. One block's K and
+V of every layer are one contiguous range of block_stride = num_regions * region_bytes bytes, where a *region*
+is one (layer, K/V) pair (num_regions = 2 * num_layers) and region_bytes = block_size * token_bytes. Token t
+of a request lives, in region r, at
+    base_addr + block_ids[t // block_size] * block_stride + r * region_bytes + (t % block_size) * token_bytes.
 A transfer of tokens [start, start + n) is cut at every block boundary of *both* sides (so P and D may use
-different block sizes), giving segments whose offsets are the same in every region; segments (and then
-whole descriptors) that are contiguous on both sides are merged into one descriptor.
+different block sizes) into segments, each inside one local and one remote block. A segment that is a whole
+block on both sides is one descriptor of block_stride bytes (every layer at once); any other segment (a partial
+first or last block, or different block sizes) is one descriptor per region, so the bytes of tokens outside
+the range are never touched. Descriptors contiguous on both sides (runs of whole blocks) are merged: with
+equal block sizes a transfer is one descriptor per run of blocks contiguous on both sides, whatever the
+number of layers.
 """
 
 from __future__ import annotations
@@ -38,13 +44,14 @@ class BlockLayout:
         return cls(spec.base_addr, spec.num_layers, spec.num_blocks, spec.block_size, spec.token_bytes, spec.device_id)
 
     @property
-    def block_bytes(self) -> int:
+    def region_bytes(self) -> int:
+        """Bytes of one (layer, K/V) region of one block: block_size tokens."""
         return self.block_size * self.token_bytes
 
     @property
-    def region_stride(self) -> int:
-        """Bytes between consecutive (layer, K/V) regions."""
-        return self.num_blocks * self.block_bytes
+    def block_stride(self) -> int:
+        """Bytes of one block (K and V of every layer), the distance between consecutive blocks."""
+        return self.num_regions * self.region_bytes
 
     @property
     def num_regions(self) -> int:
@@ -53,11 +60,13 @@ class BlockLayout:
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of tokens contiguous on both sides; offsets are bytes from the start of a region."""
+    """Tokens inside one local block and one remote block (the same tokens on both sides)."""
 
-    local_offset: int
-    remote_offset: int
-    length: int  # bytes
+    local_block: int  # block id
+    local_row: int  # first token's row in that block
+    remote_block: int
+    remote_row: int
+    num_tokens: int
 
 
 def check_blocks(layout: BlockLayout, block_ids: Sequence[int], end_token: int, side: str) -> None:
@@ -80,8 +89,7 @@ def token_segments(
     start_token: int,
     num_tokens: int,
 ) -> list[Segment]:
-    """Segments covering tokens [start_token, start_token + num_tokens), cut at both sides' block boundaries
-    and merged where contiguous on both sides."""
+    """Segments covering tokens [start_token, start_token + num_tokens), cut at both sides' block boundaries."""
     if local.token_bytes != remote.token_bytes:
         raise LayoutError(f"token size differs: local {local.token_bytes} B, remote {remote.token_bytes} B")
     if start_token < 0 or num_tokens < 0:
@@ -89,39 +97,37 @@ def token_segments(
     end = start_token + num_tokens
     check_blocks(local, local_block_ids, end, "local")
     check_blocks(remote, remote_block_ids, end, "remote")
-    tb, lbs, rbs = local.token_bytes, local.block_size, remote.block_size
+    lbs, rbs = local.block_size, remote.block_size
     segments: list[Segment] = []
     t = start_token
     while t < end:
         stop = min(end, (t // lbs + 1) * lbs, (t // rbs + 1) * rbs)
-        lo = local_block_ids[t // lbs] * local.block_bytes + (t % lbs) * tb
-        ro = remote_block_ids[t // rbs] * remote.block_bytes + (t % rbs) * tb
-        n = (stop - t) * tb
-        last = segments[-1] if segments else None
-        if last and last.local_offset + last.length == lo and last.remote_offset + last.length == ro:
-            segments[-1] = Segment(last.local_offset, last.remote_offset, last.length + n)
-        else:
-            segments.append(Segment(lo, ro, n))
+        segments.append(Segment(local_block_ids[t // lbs], t % lbs, remote_block_ids[t // rbs], t % rbs, stop - t))
         t = stop
     return segments
 
 
 def descriptors(local: BlockLayout, remote: BlockLayout, segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
-    """NIXL descriptor arrays for the segments in every region: two [num_descs, 3] uint64 arrays of
-    (address, length, device id), row i of one matching row i of the other. Rows contiguous on both sides
-    (a segment ending a region and the next region's first one) are merged."""
+    """NIXL descriptor arrays for the segments: two [num_descs, 3] uint64 arrays of (address, length, device
+    id), row i of one matching row i of the other. A whole block on both sides is one row; any other segment
+    is one row per region. Rows contiguous on both sides are merged."""
     if local.num_layers != remote.num_layers:
         raise LayoutError(f"layer count differs: local {local.num_layers}, remote {remote.num_layers}")
     if not segments:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()
-    regions = np.arange(local.num_regions, dtype=np.int64)[:, None]  # [num_regions, 1]
-    lo = np.array([s.local_offset for s in segments], dtype=np.int64)[None, :]  # [1, num_segments]
-    ro = np.array([s.remote_offset for s in segments], dtype=np.int64)[None, :]
-    length = np.array([s.length for s in segments], dtype=np.int64)
-    l_addr = (local.base_addr + regions * local.region_stride + lo).ravel()  # [num_regions * num_segments]
-    r_addr = (remote.base_addr + regions * remote.region_stride + ro).ravel()
-    lens = np.tile(length, local.num_regions)
+    seg = np.array(
+        [(s.local_block, s.local_row, s.remote_block, s.remote_row, s.num_tokens) for s in segments], dtype=np.int64
+    )  # [num_segments, 5]
+    lb, lr, rb, rr, n = seg.T
+    whole = (lr == 0) & (rr == 0) & (n == local.block_size) & (n == remote.block_size)  # [num_segments]
+    counts = np.where(whole, 1, local.num_regions)  # rows per segment
+    idx = np.repeat(np.arange(len(seg)), counts)  # [num_rows]: the segment of each row
+    region = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)  # 0 for a whole block's row
+    tb = local.token_bytes
+    l_addr = local.base_addr + lb[idx] * local.block_stride + region * local.region_bytes + lr[idx] * tb
+    r_addr = remote.base_addr + rb[idx] * remote.block_stride + region * remote.region_bytes + rr[idx] * tb
+    lens = np.where(whole[idx], local.block_stride, n[idx] * tb)
     # a new descriptor starts where either side is not contiguous with the previous row
     starts = np.ones(len(lens), dtype=bool)
     starts[1:] = (l_addr[:-1] + lens[:-1] != l_addr[1:]) | (r_addr[:-1] + lens[:-1] != r_addr[1:])
@@ -139,4 +145,4 @@ def descriptors(local: BlockLayout, remote: BlockLayout, segments: list[Segment]
 
 def num_bytes(layout: BlockLayout, segments: list[Segment]) -> int:
     """Bytes a transfer of these segments moves (all regions)."""
-    return layout.num_regions * sum(s.length for s in segments)
+    return layout.num_regions * layout.token_bytes * sum(s.num_tokens for s in segments)

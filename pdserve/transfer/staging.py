@@ -1,9 +1,9 @@
 """kv_buffer_device "cpu": NIXL moves a host mirror of the KV cache; the KV cache itself stays on the GPU.
 
-For fabrics without GPUDirect. The mirror has the KV cache's shape [num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim] (pinned host memory) and is what NIXL registers (as DRAM) and what the handshake
-describes; block b of the mirror stages block b of the KV cache. Copies go by block id on a dedicated CUDA
-stream and are synchronized before anyone may rely on them:
+For fabrics without GPUDirect. The mirror has the KV cache's block-major shape [num_blocks, num_layers, 2,
+block_size, num_kv_heads, head_dim] (pinned host memory) and is what NIXL registers (as DRAM) and what the
+handshake describes; block b of the mirror (one contiguous range) stages block b of the KV cache. Copies go by
+block id on a dedicated CUDA stream and are synchronized before anyone may rely on them:
 
 - P, pull: `stage_out` on the engine thread inside NixlWorker.submit(), before the SendTask is posted. The
   engine returns a step's outputs (P's response carrying the pull coordinates) only after that step's
@@ -51,9 +51,6 @@ class Stager:
         self.device = kv_cache.device
         self.cuda = kv_cache.device.type == "cuda"
         self.mirror = torch.empty(kv_cache.shape, dtype=kv_cache.dtype, pin_memory=self.cuda)
-        # [regions, num_blocks, block_size, heads, head_dim] views: a block is one index on dim 1
-        self._kv = kv_cache.view(-1, *kv_cache.shape[2:])
-        self._mirror = self.mirror.view(-1, *kv_cache.shape[2:])
         self.block_size = kv_cache.shape[3]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._ready: Any = None  # push: the newest CUDA event recorded on the engine's stream by submit()
@@ -78,7 +75,7 @@ class Stager:
             return
         if not self.cuda:
             idx = torch.tensor(blocks, dtype=torch.long)
-            self._mirror.index_copy_(1, idx, self._kv.index_select(1, idx))
+            self.mirror.index_copy_(0, idx, self.kv.index_select(0, idx))
             return
         assert self.stream is not None
         if engine_thread:  # after what the engine's stream has queued (the prefill that wrote these blocks)
@@ -87,11 +84,11 @@ class Stager:
             self.stream.wait_event(self._ready)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             idx = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
-            gathered = self._kv.index_select(1, idx)
+            gathered = self.kv.index_select(0, idx)
             host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             host.copy_(gathered, non_blocking=True)
         self.stream.synchronize()
-        self._mirror.index_copy_(1, torch.tensor(blocks, dtype=torch.long), host)
+        self.mirror.index_copy_(0, torch.tensor(blocks, dtype=torch.long), host)
 
     def stage_in(self, block_ids: Sequence[int], start: int, num_tokens: int) -> None:
         """Mirror -> KV cache for exactly tokens [start, start + num_tokens); returns when done."""
@@ -103,20 +100,19 @@ class Stager:
         if not self.cuda:
             if whole:
                 idx = torch.tensor(whole, dtype=torch.long)
-                self._kv.index_copy_(1, idx, self._mirror.index_select(1, idx))
+                self.kv.index_copy_(0, idx, self.mirror.index_select(0, idx))
             for b, t0, t1 in partial:
-                self._kv[:, b, t0:t1] = self._mirror[:, b, t0:t1]
+                self.kv[b, :, :, t0:t1] = self.mirror[b, :, :, t0:t1]
             return
         assert self.stream is not None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if whole:
                 idx = torch.tensor(whole, dtype=torch.long)
-                host = torch.empty((self._mirror.shape[0], len(whole), *self._mirror.shape[2:]),
-                                   dtype=self.mirror.dtype, pin_memory=True)  # fmt: skip
-                torch.index_select(self._mirror, 1, idx, out=host)
-                self._kv.index_copy_(1, idx.to(self.device), host.to(self.device, non_blocking=True))
+                host = torch.empty((len(whole), *self.mirror.shape[1:]), dtype=self.mirror.dtype, pin_memory=True)
+                torch.index_select(self.mirror, 0, idx, out=host)
+                self.kv.index_copy_(0, idx.to(self.device), host.to(self.device, non_blocking=True))
             for b, t0, t1 in partial:
-                self._kv[:, b, t0:t1].copy_(self._mirror[:, b, t0:t1].contiguous().to(self.device))
+                self.kv[b, :, :, t0:t1].copy_(self.mirror[b, :, :, t0:t1].contiguous().to(self.device))
         self.stream.synchronize()
 
 

@@ -16,7 +16,8 @@ import msgpack
 
 # 1: first version — handshake, ping, pull release, push register/done/cancel/cancel-ack/fail (2026-11-30).
 # 2: PushRegister.keepalive_ms and PushQueued: P says a registered prefill is queued or running (2026-11-30).
-WIRE_VERSION = 2
+# 3: the KV cache is block-major [blocks, layers, 2, block_size, heads, head_dim] (addresses differ) (2026-12-01).
+WIRE_VERSION = 3
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 

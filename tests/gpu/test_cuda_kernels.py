@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan, paged_attention
+from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan, layer_view, paged_attention
 from pdserve.model.decoder import RMSNorm, apply_rope
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -14,6 +14,12 @@ BF16 = torch.bfloat16
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _layer(make, nb: int, bs: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block-major cache [nb, 3 layers, 2, bs, hkv, d], layer 1's strided view): kernels must use the block stride."""
+    full = make(nb, 3, 2, bs, hkv, d, device="cuda", dtype=BF16)
+    return full, layer_view(full, 1)
 
 
 def _norm(weight: torch.Tensor) -> RMSNorm:
@@ -45,7 +51,7 @@ def test_qkv_rope_store_matches_torch(qk_norm: bool) -> None:
     pos = torch.randint(0, 40000, (t,), device="cuda")
     inv = (1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))).float().cuda()
     qw, kw = ((1 + 0.1 * torch.randn(2, d, device="cuda")).to(BF16)).unbind(0)
-    cache = torch.zeros(2, nb, bs, hkv, d, device="cuda", dtype=BF16)
+    full, cache = _layer(torch.zeros, nb, bs, hkv, d)
     slots = torch.randperm(nb * bs, device="cuda")[:t]
     slots[3] = -1  # not stored
     q0, k0, v0 = qkv.clone().split([h * d, hkv * d, hkv * d], -1)
@@ -60,11 +66,11 @@ def test_qkv_rope_store_matches_torch(qk_norm: bool) -> None:
     q1, k1 = qkv[:, : h * d].reshape(t, h, d), qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d)
     assert _rel(q1, qr) < 1e-2 and (q1 != qr).float().mean() < (0.02 if qk_norm else 1e-6)
     assert _rel(k1, kr) < 1e-2
-    flat_k, flat_v = cache[0].view(-1, hkv, d), cache[1].view(-1, hkv, d)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
-            assert torch.equal(flat_k[s], k1[i]) and torch.equal(flat_v[s], v0[i])
-    assert int(flat_k.abs().sum((1, 2)).ne(0).sum()) == t - 1  # nothing else written
+            assert torch.equal(cache[0, s // bs, s % bs], k1[i]) and torch.equal(cache[1, s // bs, s % bs], v0[i])
+    assert int(cache[0].abs().sum((2, 3)).ne(0).sum()) == t - 1  # nothing else written
+    assert full[:, 0].abs().sum() == 0 and full[:, 2].abs().sum() == 0  # nor into other layers
 
 
 @pytest.mark.parametrize("heads", [(32, 8, 128), (16, 8, 128), (8, 1, 64), (4, 4, 32)])
@@ -73,7 +79,7 @@ def test_decode_attention_matches_portable(heads: tuple[int, int, int]) -> None:
 
     h, hkv, d = heads
     bs, nb = 16, 1200
-    cache = torch.randn(2, nb, bs, hkv, d, device="cuda", dtype=BF16)
+    _, cache = _layer(torch.randn, nb, bs, hkv, d)
     lens = [1, 15, 16, 17, 300, 2048, 5000, 0]  # 0: a padding row of a graph
     perm = torch.randperm(nb).tolist()
     tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
@@ -101,12 +107,12 @@ def test_prefill_attention_matches_portable(offset: int) -> None:
     h, hkv, d, bs, nq = 32, 8, 128, 16, 257
     ctx = offset + nq
     nb = -(-ctx // bs) + 4
-    cache = torch.randn(2, nb, bs, hkv, d, device="cuda", dtype=BF16)
+    _, cache = _layer(torch.randn, nb, bs, hkv, d)
     table = torch.randperm(nb, device="cuda")[: -(-ctx // bs)]
     slots = (table.repeat_interleave(bs) * bs + torch.arange(bs, device="cuda").repeat(len(table)))[:ctx]
     q = torch.randn(nq, h, d, device="cuda", dtype=BF16)
-    k = cache[0].view(-1, hkv, d)[slots[offset:]]
-    v = cache[1].view(-1, hkv, d)[slots[offset:]]
+    k = cache[0][slots[offset:] // bs, slots[offset:] % bs]
+    v = cache[1][slots[offset:] // bs, slots[offset:] % bs]
     span = PrefillSpan(0, nq, ctx, table)
     out = prefill_attention(q, k, v, cache, span, d**-0.5)
     ref = paged_attention(q.float(), cache.float(), AttentionContext(slots, [span], None, bs), d**-0.5)

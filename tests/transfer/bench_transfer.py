@@ -4,8 +4,8 @@
     .venv/bin/python tests/transfer/bench_transfer.py --cpu   # what the transfer thread costs, idle and hot
 
 Shape: SmolLM2-135M (30 layers, 3 KV heads, head dim 64, float32): 46 KB per token, 23.6 MB for 512 tokens.
-Blocks are scattered (a random permutation) on both sides, so every block is its own descriptor per layer
-(1920 descriptors for 512 tokens); --contiguous puts them in one run (merged: 60 descriptors).
+Blocks are scattered (a random permutation) on both sides, so every block is its own descriptor (the cache is
+block-major: 32 descriptors for 512 tokens); --contiguous puts them in one run (merged: 1 descriptor).
 Times come from the instances' own timeline events (time.time(), same host):
   pull: D "transfer_posted" -> D "kv_received" (the READ; the handshake is cached after the first request)
   push: P "transfer_posted" -> D "kv_received" (WRITE + completion notification + D noticing it)
@@ -85,7 +85,7 @@ def cpu_cost(seconds: float = 5.0) -> None:
     from pdserve.transfer.params import RemoteDecode
 
     sched, worker = make_connectors(TransferConfig(role="prefill", mode="pull", side_channel_port=0, lease_s=100), 16)
-    kv = torch.zeros(2, 2, 16, 16, 2, 4)
+    kv = torch.zeros(16, 2, 2, 16, 2, 4)  # [blocks, layers, 2, block_size, heads, head_dim]
     worker.register_kv_cache(kv, KVCacheSpec(kv.data_ptr(), 2, 16, 16, 2, 4, 4, "DRAM", 0, "m", "float32"))
     worker.start(lambda: None)
 

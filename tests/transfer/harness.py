@@ -1,7 +1,7 @@
 """Test harness: one connector pair (scheduler + worker) in its own process, driven like the engine drives it.
 
 The child runs an engine-like loop (build_step_meta -> submit, poll_results) and obeys commands from the
-test over a pipe. Its KV cache is a tiny float32 tensor [layers, 2, blocks, block_size, heads, head_dim]:
+test over a pipe. Its KV cache is a tiny float32 tensor [blocks, layers, 2, block_size, heads, head_dim]:
 a producer's holds known, unique values; a consumer's starts at -1 so any stray byte shows.
 """
 
@@ -20,7 +20,7 @@ NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 4
 
 def shape(num_blocks: int, block_size: int, dims: tuple[int, int, int] = (NUM_LAYERS, NUM_HEADS, HEAD_DIM)) -> tuple:
     layers, heads, head_dim = dims
-    return (layers, 2, num_blocks, block_size, heads, head_dim)
+    return (num_blocks, layers, 2, block_size, heads, head_dim)
 
 
 _CTX: Any = None
@@ -203,7 +203,7 @@ def expected_kv(d_before: np.ndarray, p_kv: np.ndarray, d_blocks: list[int], p_b
     out = d_before.copy()
     dbs, pbs = d_before.shape[3], p_kv.shape[3]
     for t in range(start, start + num_tokens):
-        out[:, :, d_blocks[t // dbs], t % dbs] = p_kv[:, :, p_blocks[t // pbs], t % pbs]
+        out[d_blocks[t // dbs], :, :, t % dbs] = p_kv[p_blocks[t // pbs], :, :, t % pbs]
     return out
 
 

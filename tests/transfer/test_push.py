@@ -293,3 +293,21 @@ def test_dead_decode_frees_prefill_blocks(cl):
     # P keeps serving
     before, after, p_kv, _ = push_once(p, cl["d4"], "t17", [3], [3], 0, 4)
     assert np.array_equal(after, expected_kv(before, p_kv, [3], [3], 0, 3))
+
+
+# ---- scrambled block order on the block-major cache ------------------------------------------------------------------
+def test_push_scrambled_blocks_exact_bytes(cl):
+    """Scrambled ids with a few runs on each side, a one-block prefix hit and a partial last block: every block
+    whole on both sides moves as one range, the rest per layer and K/V; nothing outside the tokens changes."""
+    p, d = cl["p4"], cl["d4"]
+    p_blocks, d_blocks = [13, 2, 3, 9, 0, 1, 14, 7], [4, 5, 15, 11, 12, 6, 8, 10]
+    before, after, p_kv, _ = push_once(p, d, "s1", p_blocks, d_blocks, 4, 31)
+    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 4, 26))
+    assert np.array_equal(after[d_blocks[-1], :, :, 2:], before[d_blocks[-1], :, :, 2:])  # rows past the end
+
+
+def test_push_scrambled_blocks_different_block_sizes(cl):
+    p, d = cl["p8"], cl["d4"]
+    p_blocks, d_blocks = [5, 1, 6, 3], [14, 3, 9, 0, 7, 12, 1, 10]
+    before, after, p_kv, _ = push_once(p, d, "s2", p_blocks, d_blocks, 8, 30, d_first=False)
+    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 8, 21))
