@@ -192,7 +192,14 @@ class AsyncEngine:
         e = self._engine
         ttft = [e.ttft_seconds.popleft() for _ in range(len(e.ttft_seconds))]  # deque pops are atomic
         xfer = [e.transfer_seconds.popleft() for _ in range(len(e.transfer_seconds))]
-        return dataclasses.replace(self._stats, ttft_seconds=ttft, transfer_seconds=xfer)
+        posts = [e.transfer_posts.popleft() for _ in range(len(e.transfer_posts))]
+        return dataclasses.replace(
+            self._stats,
+            ttft_seconds=ttft,
+            transfer_seconds=xfer,
+            transfer_descriptors=[n for n, _ in posts],
+            transfer_post_seconds=[s for _, s in posts],
+        )
 
     def timelines(self) -> list[dict[str, Any]]:
         if self._engine is None:

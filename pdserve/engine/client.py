@@ -72,6 +72,8 @@ class EngineStats:
     num_step_failures: int = 0  # steps that raised; their requests failed, the loop went on
     ttft_seconds: list[float] = field(default_factory=list)  # observations drained since the last stats()
     transfer_seconds: list[float] = field(default_factory=list)  # drained since the last stats()
+    transfer_descriptors: list[int] = field(default_factory=list)  # per posted READ/WRITE, drained likewise
+    transfer_post_seconds: list[float] = field(default_factory=list)  # NIXL's time to accept each, drained
 
 
 class EngineClient(Protocol):

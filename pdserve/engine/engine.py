@@ -53,6 +53,7 @@ class LLMEngine:
         self._timelines: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.ttft_seconds: deque[float] = deque()  # new observations; popped (thread-safe) by the metrics reader
         self.transfer_seconds: deque[float] = deque()  # likewise, moved here from the connector by stats()
+        self.transfer_posts: deque[tuple[int, float]] = deque()  # (descriptors, post seconds), likewise
         self.num_steps = 0  # step() calls so far
         self.num_step_failures = 0  # steps whose forward pass raised (their requests failed)
         self.transfer_hook_seconds = 0.0  # engine-thread time spent in the connector hooks (cumulative)
@@ -221,6 +222,7 @@ class LLMEngine:
         s = self.scheduler
         t = self.kv_worker.stats()
         self.transfer_seconds.extend(t.transfer_seconds)
+        self.transfer_posts.extend(t.posts)
         return EngineStats(
             num_blocks_total=self.num_blocks,
             num_blocks_free=self.pool.num_free,

@@ -5,7 +5,9 @@ gauges   pdserve_kv_blocks_total, pdserve_kv_blocks_free, pdserve_requests_runni
          pdserve_requests_waiting, pdserve_requests_waiting_for_kv
 counters pdserve_kv_sent_bytes_total, pdserve_kv_received_bytes_total, pdserve_kv_transfers_total{result},
          pdserve_engine_steps_total, pdserve_engine_step_failures_total, pdserve_engine_transfer_hook_seconds_total
-histos   pdserve_time_to_first_token_seconds, pdserve_kv_transfer_seconds
+histos   pdserve_time_to_first_token_seconds, pdserve_kv_transfer_seconds, pdserve_kv_transfer_descriptors
+         (per posted READ/WRITE: many means a fragmented cache), pdserve_kv_transfer_post_seconds (NIXL's time
+         to accept a transfer: grows with descriptors)
 
 Each app gets its own CollectorRegistry (no process-global state, so several apps can live in one test
 process). Gauges and counters are the engine's own cumulative numbers, read on each scrape; the histograms
@@ -28,6 +30,8 @@ from pdserve.engine.client import EngineStats
 log = logging.getLogger(__name__)
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
+POST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 GAUGES = (  # metric name, EngineStats field, help
@@ -70,6 +74,19 @@ class EngineCollector(Collector):
             registry=None,
         )
 
+        self._descs = Histogram(
+            "pdserve_kv_transfer_descriptors",
+            "NIXL descriptors of one posted KV READ or WRITE (one per contiguous run of blocks)",
+            buckets=DESCRIPTOR_BUCKETS,
+            registry=None,
+        )
+        self._post = Histogram(
+            "pdserve_kv_transfer_post_seconds",
+            "Time NIXL took to accept one KV READ or WRITE (grows with its descriptors)",
+            buckets=POST_BUCKETS,
+            registry=None,
+        )
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             try:
@@ -82,9 +99,15 @@ class EngineCollector(Collector):
                     self._ttft.observe(value)
                 for value in stats.transfer_seconds:
                     self._transfer.observe(value)
+                for count in stats.transfer_descriptors:
+                    self._descs.observe(count)
+                for value in stats.transfer_post_seconds:
+                    self._post.observe(value)
                 yield from self._from_stats(stats)
             yield from self._ttft.collect()
             yield from self._transfer.collect()
+            yield from self._descs.collect()
+            yield from self._post.collect()
 
     @staticmethod
     def _from_stats(stats: EngineStats) -> Iterator[Metric]:

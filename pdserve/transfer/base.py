@@ -123,6 +123,8 @@ class TransferStats:
     transfers_failed: int = 0
     transfers_expired: int = 0
     transfer_seconds: list[float] = field(default_factory=list)  # durations since the last snapshot
+    # one entry per READ/WRITE posted since the last snapshot: (descriptors, seconds NIXL took to accept it)
+    posts: list[tuple[int, float]] = field(default_factory=list)
 
 
 class ConnectorScheduler(ABC):

@@ -149,6 +149,10 @@ def test_prefix_hit_on_d_moves_only_the_suffix(cl: Cluster, mode: str) -> None:
     assert moved1 == n1 - 1  # D computes the last prompt token itself
     hit = (n1 // 32) * 32  # D (block 32) kept the first prompt's full blocks in its prefix cache
     assert hit > 0 and moved2 == n2 - 1 - hit
+    poster = d if mode == "pull" else p  # who posts the READ / WRITE exports its descriptor counts
+    m = scrape_metrics(poster.url)
+    assert m["pdserve_kv_transfer_descriptors_count"] >= 2 and m["pdserve_kv_transfer_post_seconds_count"] >= 2
+    assert m["pdserve_kv_transfer_descriptors_sum"] >= m["pdserve_kv_transfer_descriptors_count"]
     assert_all_free(p, d)
 
 

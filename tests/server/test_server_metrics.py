@@ -34,7 +34,14 @@ def samples(text: str) -> dict[str, float]:
 
 
 def test_names_and_values() -> None:
-    registry = make_registry(lambda: stats(ttft_seconds=[0.05, 0.2], transfer_seconds=[0.001]))
+    registry = make_registry(
+        lambda: stats(
+            ttft_seconds=[0.05, 0.2],
+            transfer_seconds=[0.001],
+            transfer_descriptors=[1, 300],
+            transfer_post_seconds=[0.0001, 0.002],
+        )
+    )
     text = render(registry).decode()
     got = samples(text)
     assert got["pdserve_kv_blocks_total"] == 100 and got["pdserve_kv_blocks_free"] == 90
@@ -47,6 +54,9 @@ def test_names_and_values() -> None:
     assert got["pdserve_time_to_first_token_seconds_count"] == 2
     assert abs(got["pdserve_time_to_first_token_seconds_sum"] - 0.25) < 1e-9
     assert got["pdserve_kv_transfer_seconds_count"] == 1
+    assert got["pdserve_kv_transfer_descriptors_count"] == 2 and got["pdserve_kv_transfer_descriptors_sum"] == 301
+    assert got['pdserve_kv_transfer_descriptors_bucket{le="1.0"}'] == 1
+    assert got["pdserve_kv_transfer_post_seconds_count"] == 2
     assert "# TYPE pdserve_kv_sent_bytes_total counter" in text
     assert "# TYPE pdserve_requests_waiting_for_kv gauge" in text
     assert "# TYPE pdserve_kv_transfer_seconds histogram" in text

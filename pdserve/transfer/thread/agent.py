@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,8 @@ class Xfer:
     peer: str  # remote agent name
     num_bytes: int
     state: XferState
+    num_descs: int = 0  # descriptor rows posted (one per contiguous run on both sides)
+    post_seconds: float = 0.0  # time NIXL took to accept it (initialize_xfer + transfer): per-descriptor cost
 
 
 class NixlAgent:
@@ -91,6 +94,7 @@ class NixlAgent:
         (default: ours; they differ when one side stages through host memory). Raises AgentError; then nothing
         is in flight."""
         num_bytes = int(local[:, 1].sum()) if len(local) else 0
+        started = time.perf_counter()
         try:
             handle = self._agent.initialize_xfer(
                 op,
@@ -109,7 +113,7 @@ class NixlAgent:
         if state == "ERR":
             self._release(handle)
             raise AgentError(f"post {op} to {peer}: NIXL returned ERR")
-        return Xfer(handle, peer, num_bytes, XferState(state))
+        return Xfer(handle, peer, num_bytes, XferState(state), len(local), time.perf_counter() - started)
 
     def check(self, xfer: Xfer) -> XferState:
         """Progress a posted transfer. The handle is released once not PROC.

@@ -154,6 +154,7 @@ class PullCore:
             return
         rd.state = ReadState.READING
         self.ctx.sink.event(rid, "transfer_posted", posted_wall)
+        self.ctx.sink.posted(rd.xfer.num_descs, rd.xfer.post_seconds)
         if num_bytes(self.ctx.layout, segs) != rd.xfer.num_bytes:  # a bug in layout.py, never the peer's fault
             log.error("pull: descriptor bytes %d != segment bytes", rd.xfer.num_bytes)
         self._check(rid, rd)

@@ -259,6 +259,8 @@ class SendSide:
             self._write_over(r, SendOutcome.FAILED, f"WRITE to {peer.engine_id} not posted: {e}")
             return
         self.ctx.sink.event(send.request_id, "transfer_posted", posted_wall)
+        if r.xfer is not None:
+            self.ctx.sink.posted(r.xfer.num_descs, r.xfer.post_seconds)
         self._check(r)
 
     def progress(self, now: float) -> bool:

@@ -66,6 +66,11 @@ class ResultSink:
                 self._stats.transfer_seconds.append(seconds)
         self.wakeup()
 
+    def posted(self, num_descs: int, post_seconds: float) -> None:
+        """A READ or WRITE was posted with `num_descs` descriptors in `post_seconds` (for /metrics)."""
+        with self._lock:
+            self._stats.posts.append((num_descs, post_seconds))
+
     def event(self, request_id: str, name: str, t: float | None = None) -> None:
         """A timeline event; does not wake the engine (it is picked up with the next result)."""
         with self._lock:
@@ -83,7 +88,7 @@ class ResultSink:
             s = self._stats
             snap = TransferStats(
                 s.sent_bytes, s.received_bytes, s.transfers_ok, s.transfers_failed, s.transfers_expired,
-                s.transfer_seconds,
+                s.transfer_seconds, s.posts,
             )  # fmt: skip
-            s.transfer_seconds = []
+            s.transfer_seconds, s.posts = [], []
         return snap
