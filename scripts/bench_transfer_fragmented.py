@@ -36,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, when pdserve is not installed
 
 from pdserve.engine.block_pool import BlockPool, hash_block  # noqa: E402
+from pdserve.transfer.params import decode, encode  # noqa: E402
 from pdserve.transfer.layout import BlockLayout, descriptors, token_segments  # noqa: E402
 
 BUILTIN = (30, 3, 64, "float32")  # layers, kv heads, head dim, dtype of the built-in model (SmolLM2-135M)
@@ -138,6 +139,7 @@ def _child(conn: Any, gpu: int, role: str, mode: str, dims: tuple, block_size: i
     worker.register_kv_cache(kv, spec)
     worker.start(lambda: None)
     results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "finished_sends": [], "events": []}
+    params: dict[str, Any] = {}  # request id -> its typed kv_transfer_params until allocation
     conn.send(("ready", sched.info()))
     while True:
         if conn.poll(0.0002):
@@ -147,12 +149,15 @@ def _child(conn: Any, gpu: int, role: str, mode: str, dims: tuple, block_size: i
                 worker.shutdown()
                 conn.send(("ok", None))
                 return
-            if cmd == "needs":
-                reply = sched.needs_remote_kv(*args)
+            if cmd == "needs":  # (request id, kv_transfer_params as JSON), parsed as the server does
+                params[args[0]] = decode(args[1])
+                reply = sched.needs_remote_kv(args[0], params[args[0]])
             elif cmd == "alloc":
-                sched.on_blocks_allocated(*args)
-            elif cmd == "finish":
-                reply = sched.on_request_finished(*args)
+                sched.on_blocks_allocated(*args, params.pop(args[0]))
+            elif cmd == "finish":  # -> (keep blocks, the answer's kv_transfer_params as JSON)
+                keep = sched.on_request_finished(*args[:3], decode(args[3]))
+                answer = sched.take_answer(args[0])
+                reply = keep, None if answer is None else encode(answer)
             elif cmd == "results":
                 reply = {k: list(v) for k, v in results.items()}
             elif cmd == "block_sums":  # [len(block_ids)] float64 sums over each block
@@ -212,7 +217,7 @@ class Proc:
 def move(mode: str, p: Proc, d: Proc, rid: str, p_blocks: list[int], d_blocks: list[int], tokens: int) -> float:
     """One request's KV P -> D; returns seconds from the post to D noticing the data."""
     if mode == "pull":
-        _, params = p.call("finish", f"p-{rid}", p_blocks, tokens + 1, {"do_remote_decode": True})
+        _, params = p.call("finish", f"p-{rid}", p_blocks, tokens, {"do_remote_decode": True})  # KV of `tokens`
         d.call("needs", rid, params)
         d.call("alloc", rid, d_blocks, 0, tokens + 1)
     else:
@@ -225,7 +230,7 @@ def move(mode: str, p: Proc, d: Proc, rid: str, p_blocks: list[int], d_blocks: l
         while "registration_sent" not in d.events(rid) and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(0.02)  # let the registration reach P: the WRITE then starts at P's finish
-        p.call("finish", f"p-{rid}", p_blocks, tokens + 1,
+        p.call("finish", f"p-{rid}", p_blocks, tokens,
                {"do_remote_decode": True, "transfer_id": rid, "transfer_mode": "push"})  # fmt: skip
     d.wait("finished_recvs", rid)
     p.wait("finished_sends", f"p-{rid}")
