@@ -12,6 +12,7 @@ False` forces the portable path (benchmarks compare the two).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +140,8 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """forward(input_ids [T], positions [T], kv_cache, ctx) -> hidden [T, hidden]; logits(hidden) -> [N, vocab]."""
 
+    inv_freq: torch.Tensor  # [head_dim / 2] float32, a buffer (register_buffer in __init__)
+
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
@@ -151,6 +154,11 @@ class Decoder(nn.Module):
         self._rope_table: torch.Tensor | None = None  # fused path: cos/sin per position, built on first use
         self.gemv_max_rows = 0  # fused path: steps of at most this many rows use the Triton GEMV (set by
         # cuda_graphs.DecodeGraphs.capture where it measured faster than cuBLAS; 0 = never)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers, typed (iterating the ModuleList yields plain Modules to a type checker)."""
+        return cast(list[DecoderLayer], list(self.layers))
 
     def uses_fused_kernels(self, device: torch.device) -> bool:
         """Whether forward() on `device` takes the fused CUDA path."""
@@ -168,7 +176,7 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids)
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim/2], float32
         cos, sin = freqs.cos().to(x.dtype).unsqueeze(1), freqs.sin().to(x.dtype).unsqueeze(1)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             x = layer(x, cos, sin, layer_view(kv_cache, i), ctx)
         return self.norm(x)
 
@@ -181,7 +189,7 @@ class Decoder(nn.Module):
             self._rope_table = rope_cos_sin(self.inv_freq.to(input_ids.device), self.arch.max_position_embeddings)
         x, residual = self.embed_tokens(input_ids), None
         gemv = input_ids.shape[0] <= min(self.gemv_max_rows, 1)  # the GEMV kernel takes one row
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             x, residual = layer.forward_fused(
                 x, residual, positions, self._rope_table, layer_view(kv_cache, i), ctx, gemv
             )
@@ -204,7 +212,7 @@ class Decoder(nn.Module):
         self.norm.weight.copy_(take("model.norm.weight"))
         if self.lm_head is not None:
             self.lm_head.weight.copy_(sd.get("lm_head.weight", take("model.embed_tokens.weight")))
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             layer.qkv_proj.weight.copy_(

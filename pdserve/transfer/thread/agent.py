@@ -177,5 +177,5 @@ class NixlAgent:
             self._agent.deregister_memory(self._reg)
         except Exception as e:
             log.warning("%s", _wrap("deregister_memory", e))
-        self._agent = None  # type: ignore[assignment]
+        self._agent = None
         self._kv_cache = None
