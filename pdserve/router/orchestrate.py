@@ -1,4 +1,4 @@
-"""One client request split into a prefill leg and a decode leg, in pull or push mode (DESIGN.md).
+"""One client request split into a prefill leg and a decode leg, in pull or push mode (docs/architecture.md).
 
 pull: P answers first (max_tokens=1, do_remote_decode) with its KV coordinates; D then gets the original
       body plus those coordinates, and D's answer (streamed or not) goes back to the client. P's params

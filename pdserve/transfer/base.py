@@ -1,6 +1,6 @@
 """The connector contract between the engine and a KV transfer mode.
 
-Each mode has two halves (STYLE.md rule 8):
+Each mode has two halves (two classes, never one class with two Optional halves):
 - ConnectorScheduler lives beside the scheduler, runs on the engine thread only, never touches memory or
   the network; it turns request life-cycle events into a StepMeta once per engine step.
 - ConnectorWorker lives beside the KV cache (one per worker / tensor-parallel rank), owns the NIXL agent
