@@ -167,7 +167,7 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
     """Batch-1 pieces: each weight's GEMV (achieved GB/s), the decode attention kernel at ctx tokens."""
     from triton.testing import do_bench
 
-    from pdserve.model.attention import DecodeBatch, layer_view
+    from pdserve.model.paged import DecodeBatch, layer_view
     from pdserve.model.cuda_attention import decode_attention
 
     dec = eng.worker.decoder

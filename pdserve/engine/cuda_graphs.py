@@ -22,8 +22,8 @@ from collections.abc import Iterable
 import torch
 
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.model.attention import AttentionContext, DecodeBatch
 from pdserve.model.decoder import Decoder
+from pdserve.model.paged import AttentionContext, DecodeBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 

@@ -15,8 +15,8 @@ import torch
 
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan
 from pdserve.model.decoder import Decoder
+from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
 
 if TYPE_CHECKING:
     from pdserve.engine.cuda_graphs import DecodeGraphs

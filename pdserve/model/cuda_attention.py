@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan, _gather
+from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, gather_rows
 
 DECODE_BLOCK_N = 64  # tokens per inner tile of the decode kernel
 TARGET_PROGRAMS = 512  # decode programs to aim for (about 4 per multiprocessor on an H200)
@@ -213,8 +213,8 @@ def prefill_attention(
         vs = v[rows].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        ks = _gather(layer_cache[0], span.block_table, span.context_len).transpose(0, 1).unsqueeze(0)
-        vs = _gather(layer_cache[1], span.block_table, span.context_len).transpose(0, 1).unsqueeze(0)
+        ks = gather_rows(layer_cache[0], span.block_table, span.context_len).transpose(0, 1).unsqueeze(0)
+        vs = gather_rows(layer_cache[1], span.block_table, span.context_len).transpose(0, 1).unsqueeze(0)
         o = _flash_lower_right(qs, ks, vs, scale)
     return o[0].transpose(0, 1)
 

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.arch import ModelArch
-from pdserve.model.attention import AttentionContext, cuda_kernels_usable, layer_view, paged_attention, write_kv
+from pdserve.model.attention import cuda_kernels_usable, paged_attention
+from pdserve.model.paged import AttentionContext, layer_view, write_kv
 
 
 class RMSNorm(nn.Module):

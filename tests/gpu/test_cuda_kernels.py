@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan, layer_view, paged_attention
+from pdserve.model.attention import paged_attention
 from pdserve.model.decoder import RMSNorm, apply_rope
+from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, layer_view
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 BF16 = torch.bfloat16

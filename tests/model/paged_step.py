@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pdserve.model.arch import ModelArch
-from pdserve.model.attention import AttentionContext, DecodeBatch, PrefillSpan
 from pdserve.model.decoder import Decoder
+from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
 
 
 class PagedCache:
