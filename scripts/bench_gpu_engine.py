@@ -75,9 +75,9 @@ def bench_pdserve(
         enable_prefix_caching=False,
     )
     eng = llm.engine
-    arch = eng.worker.decoder.arch
-    if eng.worker.graphs is not None:  # one-row step, ms: 0 = cuBLAS, 1 = Triton GEMV (the faster is used)
-        detail["gemv_calibration_ms"] = {str(k): round(v, 3) for k, v in eng.worker.graphs.gemv_calibration.items()}
+    arch = eng.runner.decoder.arch
+    if eng.runner.graphs is not None:  # one-row step, ms: 0 = cuBLAS, 1 = Triton GEMV (the faster is used)
+        detail["gemv_calibration_ms"] = {str(k): round(v, 3) for k, v in eng.runner.graphs.gemv_calibration.items()}
         print("one-row step (graph replay, ms), cuBLAS vs Triton GEMV:", detail["gemv_calibration_ms"], flush=True)
     vocab = arch.vocab_size
     greedy1 = SamplingParams.greedy(1, ignore_eos=True)
@@ -100,7 +100,7 @@ def bench_pdserve(
     decode: dict[str, float] = {}
     for b in BATCHES:
         decode[str(b)], step_ms = _pdserve_decode(llm, b, decode_ctx, decode_steps, vocab)
-        graph = eng.worker.graphs
+        graph = eng.runner.graphs
         if graph is not None:
             detail.setdefault("graph_replay_ms", {})[str(b)] = round(_replay_ms(graph, b), 3)
         print(
@@ -111,7 +111,7 @@ def bench_pdserve(
     _component_times(eng, decode_ctx, detail)
 
     # the same steps without graphs, then without the fused kernels (portable path), batch 1 only
-    worker, graphs = eng.worker, eng.worker.graphs
+    worker, graphs = eng.worker, eng.runner.graphs
     worker.graphs = None
     detail["eager_fused_decode_ms_b1"] = round(_pdserve_decode(llm, 1, decode_ctx, 16, vocab)[0], 2)
     worker.decoder.use_fused_kernels = False
@@ -170,7 +170,7 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
     from pdserve.model.paged import DecodeBatch, layer_view
     from pdserve.model.cuda_attention import decode_attention
 
-    dec = eng.worker.decoder
+    dec = eng.runner.decoder
     layer = dec.layers[0]
     x = torch.randn(1, dec.arch.hidden_size, device="cuda", dtype=torch.bfloat16)
     gemv = {}
@@ -187,7 +187,7 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
     ms = do_bench(lambda: dec.logits(x), warmup=25, rep=100, return_mode="median")
     gemv["lm_head"] = {"us": round(ms * 1e3, 1), "GB/s": round(head.numel() * 2 / (ms / 1e3) / 1e9)}
     detail["gemv_b1"] = gemv
-    kv = eng.worker.kv_cache
+    kv = eng.runner.kv_cache
     bs = kv.shape[3]
     nblk = -(-ctx // bs)
     q = torch.randn(1, dec.arch.num_heads, dec.arch.head_dim, device="cuda", dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ from pdserve.engine.client import EngineStats
 from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_spec, num_blocks_for
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
-from pdserve.engine.runner import Worker
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.text import TextTracker
 from pdserve.model.loader import load_model
@@ -46,7 +46,7 @@ class LLMEngine:
         self.kv_scheduler, self.kv_worker = make_connectors(config.transfer, block_size)
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler)
-        self.worker = Worker(loaded.decoder, kv_cache, device)
+        self.runner = ModelRunner(loaded.decoder, kv_cache, device)
         self.kv_worker.register_kv_cache(kv_cache, kv_cache_spec(kv_cache, loaded.name, config.model.dtype))
         self.kv_worker.start(wakeup)  # joined in shutdown()
         self._text: dict[str, TextTracker] = {}
@@ -119,7 +119,7 @@ class LLMEngine:
         for c in batch.chunks:
             self.scheduler.requests[c.request_id].mark("prefill_start")
         try:
-            sampled = self.worker.execute(batch.chunks) if batch.chunks else {}
+            sampled = self.runner.execute(batch.chunks) if batch.chunks else {}
         except Exception as e:  # a failed forward pass fails the requests in it, never the loop
             return outputs + self._fail_batch(batch, e)
         stopped = self.scheduler.update(batch, sampled)

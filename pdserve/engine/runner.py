@@ -1,7 +1,8 @@
-"""The worker: owns the model, the KV cache and the worker half of the KV connector; runs one batch per call.
+"""ModelRunner: owns the model and the KV cache tensor; runs one batch per call.
 
-The engine drives it through three calls (a narrow interface, so one process per tensor-parallel rank can
-later sit behind it): execute(chunks) -> sampled tokens, plus the connector it exposes.
+The engine drives it through one call, execute(chunks) -> sampled tokens (a narrow interface, so one process
+per tensor-parallel rank can later sit behind it). The KV connector's worker half is the engine's, not this
+class's: the engine registers the same cache tensor with it.
 
 On CUDA (fused decoder) steps whose rows are all single-token decodes replay a captured CUDA graph
 (cuda_graphs.py); everything else runs eagerly. Both give the same tokens.
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from pdserve.engine.cuda_graphs import DecodeGraphs
 
 
-class Worker:
+class ModelRunner:
     def __init__(
         self, decoder: Decoder, kv_cache: torch.Tensor, device: torch.device, use_cuda_graphs: bool = True
     ) -> None:

@@ -64,7 +64,7 @@ def test_batch_matches_transformers(
     if tiny_family == "llama3" and TRANSFORMERS_5:
         pytest.skip("transformers 5 writes rope_parameters, which the loader does not read (see module doc)")
     llm = _llm(tiny_model_dirs[tiny_family], block_size=block_size, num_blocks=512 // block_size)
-    assert llm.engine.worker.graphs is not None  # decode steps replay CUDA graphs
+    assert llm.engine.runner.graphs is not None  # decode steps replay CUDA graphs
     _check(llm, hf_reference(tiny_family), _prompts([1, 5, 17, 40], seed=1))
 
 
@@ -98,7 +98,7 @@ def test_graphs_and_eager_agree(tiny_model_dirs: dict[str, Path]) -> None:
     params = SamplingParams.greedy(24)
     with_graphs = _llm(tiny_model_dirs["qwen3"], "bfloat16", block_size=16)
     eager = _llm(tiny_model_dirs["qwen3"], "bfloat16", block_size=16)
-    eager.engine.worker.graphs = None
+    eager.engine.runner.graphs = None
     a, b = with_graphs.generate(prompts, params), eager.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
@@ -109,8 +109,8 @@ def test_one_row_steps_with_and_without_gemv(
 ) -> None:
     """Eager one-row steps through cuBLAS and through the Triton GEMV (whichever calibration picked)."""
     llm = _llm(tiny_model_dirs["qwen2"])  # qwen2: q/k/v biases go through the GEMV too
-    llm.engine.worker.graphs = None
-    llm.engine.worker.decoder.gemv_max_rows = gemv
+    llm.engine.runner.graphs = None
+    llm.engine.runner.decoder.gemv_max_rows = gemv
     for prompt in _prompts([1, 23], seed=4):  # one at a time: every decode step has one row
         _check(llm, hf_reference("qwen2"), [prompt])
 
