@@ -111,7 +111,7 @@ def bench_pdserve(
     _component_times(eng, decode_ctx, detail)
 
     # the same steps without graphs, then without the fused kernels (portable path), batch 1 only
-    worker, graphs = eng.worker, eng.runner.graphs
+    worker, graphs = eng.runner, eng.runner.graphs
     worker.graphs = None
     detail["eager_fused_decode_ms_b1"] = round(_pdserve_decode(llm, 1, decode_ctx, 16, vocab)[0], 2)
     worker.decoder.use_fused_kernels = False

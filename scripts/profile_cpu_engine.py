@@ -28,7 +28,7 @@ def main() -> None:
 
     llm = LLM("smollm2-135m", num_threads=args.threads)
     eng = llm.engine
-    worker, decoder = eng.worker, eng.worker.decoder
+    worker, decoder = eng.runner, eng.runner.decoder
     print("torch threads:", torch.get_num_threads(), "| torch", torch.__version__)
 
     timers: dict[str, list[float]] = {"forward": [], "logits": [], "execute": []}
