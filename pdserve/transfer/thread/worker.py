@@ -22,8 +22,8 @@ from pdserve.transfer.staging import make_stager
 from pdserve.transfer.thread.agent import AgentError, NixlAgent
 from pdserve.transfer.thread.context import ModeCore, TransferContext
 from pdserve.transfer.thread.handshake import SideChannel
-from pdserve.transfer.thread.netdev import restrict_ucx
 from pdserve.transfer.thread.loop import TransferLoop
+from pdserve.transfer.thread.netdev import restrict_ucx
 from pdserve.transfer.thread.peers import Peers
 from pdserve.transfer.thread.results import ResultSink
 from pdserve.transfer.wire import (
