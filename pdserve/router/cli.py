@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2
+    if config.kv_auth_secret is None:
+        logging.getLogger("pdserve.router").warning(
+            "no --kv-auth-secret: push transfer params are not signed (instances with a secret refuse them)"
+        )
     logging.getLogger("pdserve.router").info(
         "router (%s mode, %s) on http://%s:%d: prefill %s, decode %s",
         config.mode, config.policy, args.host, args.port, ", ".join(config.prefill_urls), ", ".join(config.decode_urls),
