@@ -81,6 +81,12 @@ class TransferConfig:
     recv_timeout_s: float = 60.0  # D fails (or recomputes) a request whose KV has not landed by then
     load_failure_policy: Literal["fail", "recompute"] = "fail"
     faults: Faults = NO_FAULTS  # tests only (transfer/faults.py); no flag sets it
+    # The deployment secret (auth.py): signs capabilities and authenticates the side channel; None: neither
+    # (the instance warns at startup). Never printed (repr=False).
+    auth_secret: bytes | None = field(default=None, repr=False)
+    # UCX_NET_DEVICES for the NIXL agent ("lo", "eth0", "mlx5_0:1"); None: the side-channel host's interface
+    # unless the operator set UCX_NET_DEVICES (transfer/thread/netdev.py)
+    net_devices: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -91,6 +97,10 @@ class TransferConfig:
             raise ConfigError(f"kv_buffer_device {self.kv_buffer_device!r} is not one of device, cpu")
         if self.load_failure_policy not in ("fail", "recompute"):
             raise ConfigError(f"load failure policy {self.load_failure_policy!r} is not one of fail, recompute")
+        if self.auth_secret is not None and len(self.auth_secret) < 16:
+            raise ConfigError("the KV auth secret must be at least 16 bytes")
+        if self.net_devices is not None and not self.net_devices.strip():
+            raise ConfigError("kv net devices must name at least one device")
         for name in ("lease_s", "push_registration_timeout_s", "recv_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

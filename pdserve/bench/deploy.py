@@ -4,14 +4,20 @@ Startup order: prefill and decode together (they load the model in parallel), wa
 the router, wait for its /health. Shutdown order (the reverse): router, decode, prefill — so no request is
 routed to an instance that is already gone. `Deployment` is a context manager; leaving the block by
 return, exception or Ctrl-C stops every process it started.
+
+Each deployment gets its own deployment secret (auth.new_secret), written to <log_dir>/<mode>_kv_auth_secret
+(mode 0600) and passed to every process with --kv-auth-secret-file: its transfer params and side channel are
+authenticated as a production deployment's would be.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.auth import new_secret
 from pdserve.bench.procs import ManagedProcess, free_ports
 
 
@@ -59,13 +65,26 @@ class Deployment:
     prefill_url: str = ""
     decode_url: str = ""
     router_url: str = ""
+    secret_file: Path | None = None  # this deployment's secret (written by start())
+
+    def _write_secret(self) -> Path:
+        path = self.log_dir / f"{self.mode}_kv_auth_secret"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not even briefly
+        with os.fdopen(fd, "w") as f:
+            f.write(new_secret() + "\n")
+        return path
+
+    def _auth_flags(self) -> list[str]:
+        return [] if self.secret_file is None else ["--kv-auth-secret-file", str(self.secret_file)]
 
     def _serve_argv(self, role: str, port: int, side_port: int) -> list[str]:
         argv = [self.python, "-m", "pdserve.cli", "serve", self.options.model, "--host", self.host, "--port", str(port)]
         argv += ["--kv-role", role, "--kv-transfer", self.mode, "--kv-side-channel-port", str(side_port)]
         if role == "decode":
             argv.append("--no-enable-prefix-caching")  # as in the reference runs: D never shortcuts a transfer
-        return argv + self.options.server_flags()
+        return argv + self._auth_flags() + self.options.server_flags()
 
     def _gpu_env(self, gpu: int | None) -> dict[str, str] | None:
         return None if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}
@@ -76,6 +95,7 @@ class Deployment:
         self.decode_url = f"http://{self.host}:{d_port}"
         self.router_url = f"http://{self.host}:{r_port}"
         logs = self.log_dir
+        self.secret_file = self._write_secret()
         try:
             prefill = ManagedProcess(
                 "prefill",
@@ -95,6 +115,7 @@ class Deployment:
             decode.wait_healthy(self.decode_url + "/health", self.startup_timeout_s)
             router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", self.mode]
             router_argv += ["--port", str(r_port), "--prefill", self.prefill_url, "--decode", self.decode_url]
+            router_argv += self._auth_flags()
             router = ManagedProcess("router", router_argv, logs / f"{self.mode}_router.log")
             self.procs.append(router)
             router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)

@@ -82,8 +82,9 @@ class Scheduler:
         keep = False
         if reason in ("stop", "length"):
             keep = self.connector.on_request_finished(
-                req.request_id, list(req.block_ids), req.num_computed_tokens, req.kv_transfer_params
-            )
+                req.request_id, list(req.block_ids), req.num_computed_tokens, req.kv_transfer_params,
+                token_ids=req.token_slice(0, req.num_computed_tokens),
+            )  # fmt: skip
         else:  # abort or error: nothing to hand over (push: P refuses D's registration at once)
             self.connector.on_request_aborted(req.request_id)
         if keep:

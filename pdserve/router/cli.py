@@ -39,6 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="require `Authorization: Bearer KEY` on every route but /health (the router also sends it to the "
         "instances, so start them with the same key); default: no key",
     )
+    p.add_argument(
+        "--kv-auth-secret",
+        default=None,
+        metavar="VALUE",
+        help="the deployment secret the instances were started with (signs push transfer params); prefer "
+        "--kv-auth-secret-file (a flag value shows in ps); default: none",
+    )
+    p.add_argument(
+        "--kv-auth-secret-file", default=None, metavar="PATH", help="read the deployment secret from this file"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
@@ -48,9 +58,11 @@ def run(args: argparse.Namespace) -> int:
     )
     import uvicorn
 
+    from pdserve.auth import load_secret
     from pdserve.router.proxy import RouterConfig, build_app
 
     try:
+        secret = load_secret(args.kv_auth_secret, args.kv_auth_secret_file)
         config = RouterConfig(
             mode=args.mode,
             prefill_urls=tuple(args.prefill),
@@ -60,10 +72,15 @@ def run(args: argparse.Namespace) -> int:
             health_timeout_s=args.health_timeout_s,
             max_body_bytes=int(args.max_body_mb * 2**20),
             api_key=args.api_key,
+            kv_auth_secret=secret,
         )
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2
+    if config.kv_auth_secret is None:
+        logging.getLogger("pdserve.router").warning(
+            "no --kv-auth-secret: push transfer params are not signed (instances with a secret refuse them)"
+        )
     logging.getLogger("pdserve.router").info(
         "router (%s mode, %s) on http://%s:%d: prefill %s, decode %s",
         config.mode, config.policy, args.host, args.port, ", ".join(config.prefill_urls), ", ".join(config.decode_urls),

@@ -26,8 +26,10 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.auth import DEFAULT_TTL_S
 from pdserve.router.policy import Lease, Pool
 from pdserve.router.upstream import LegError, get_json, open_stream, post_json
+from pdserve.transfer.capability import KVAuth
 from pdserve.transfer.params import (
     KVParamsError,
     Mode,
@@ -83,7 +85,13 @@ class Orchestrator:
     """Runs calls in `mode` over the prefill and decode pools with one shared aiohttp session."""
 
     def __init__(
-        self, mode: str, prefill: Pool, decode: Pool, session: aiohttp.ClientSession, info_timeout_s: float = 10.0
+        self,
+        mode: str,
+        prefill: Pool,
+        decode: Pool,
+        session: aiohttp.ClientSession,
+        info_timeout_s: float = 10.0,
+        kv_auth: KVAuth | None = None,
     ) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"mode {mode!r} is not one of pull, push")
@@ -92,6 +100,7 @@ class Orchestrator:
         self.decode = decode
         self.session = session
         self.info_timeout_s = info_timeout_s
+        self.kv_auth = kv_auth or KVAuth(None)  # signs push capabilities (transfer/capability.py)
         self._prefill_info: dict[str, asyncio.Future[dict[str, Any]]] = {}  # P URL -> its /kv_transfer/info
         self._background: set[asyncio.Task[Any]] = set()  # P legs still finishing after D answered
 
@@ -152,10 +161,10 @@ class Orchestrator:
         call.prefill_url, call.decode_url = p.url, d.url
         info = await race_disconnect(self.prefill_info(p.url), call.http)
         transfer_id = uuid.uuid4().hex
-        p_body = prefill_body(call.body, encode(RemoteDecode(Mode.PUSH, transfer_id)))
-        source = PushSource(
-            transfer_id, info["side_channel_host"], info["side_channel_port"], info["engine_id"], info.get("tp_size", 1)
-        )
+        host, port, engine_id = info["side_channel_host"], info["side_channel_port"], info["engine_id"]
+        cap = self.kv_auth.issue_push(transfer_id, engine_id, host, port, DEFAULT_TTL_S)  # both legs carry it
+        p_body = prefill_body(call.body, encode(RemoteDecode(Mode.PUSH, transfer_id, cap)))
+        source = PushSource(transfer_id, host, port, engine_id, info.get("tp_size", 1), cap)
         d_body = {**call.body, "kv_transfer_params": encode(source)}
         p_task = asyncio.create_task(self._leased(self.prefill.lease(p), p_body, call, "prefill"))
         d_lease = self.decode.lease(d)

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.router.orchestrate import Call, Orchestrator
 from pdserve.router.policy import POLICIES, Pool
 from pdserve.router.upstream import LegError, get_json, make_session
+from pdserve.transfer.capability import KVAuth
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
@@ -45,12 +46,15 @@ class RouterConfig:
     health_timeout_s: float = 5.0  # for each backend's /health and P's /kv_transfer/info
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are refused with 413
     api_key: str | None = None  # clients must send it, and the router sends it to every instance
+    kv_auth_secret: bytes | None = field(default=None, repr=False)  # signs push capabilities (auth.py)
 
     def __post_init__(self) -> None:
         if self.mode not in ("pull", "push"):
             raise ValueError(f"mode {self.mode!r} is not one of pull, push")
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.kv_auth_secret is not None and len(self.kv_auth_secret) < 16:
+            raise ValueError("the KV auth secret must be at least 16 bytes")
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("at least one --prefill and one --decode URL are needed")
         for url in self.prefill_urls + self.decode_urls:
@@ -66,7 +70,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         session = make_session(config.connect_timeout_s, config.api_key)
-        holder["orchestrator"] = Orchestrator(config.mode, prefill, decode, session, config.health_timeout_s)
+        holder["orchestrator"] = Orchestrator(
+            config.mode, prefill, decode, session, config.health_timeout_s, KVAuth(config.kv_auth_secret)
+        )
         try:
             yield
         finally:

@@ -26,6 +26,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.auth import AuthError
 from pdserve.engine.client import AddRequest, EngineClient
 from pdserve.server import metrics
 from pdserve.server.prepare import (
@@ -45,6 +46,7 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.render import Kind, Renderer
 from pdserve.server.streams import RequestRun
+from pdserve.transfer.capability import KVAuth
 from pdserve.transfer.params import KVParamsError, decode
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
@@ -95,8 +97,10 @@ class ServerState:
         served_model_names: list[str] | None,
         on_start_failure: Callable[[BaseException], None],
         limits: Limits,
+        kv_auth: KVAuth,
     ) -> None:
         self.engine = engine
+        self.kv_auth = kv_auth  # checks capabilities on kv_transfer_params (event loop only)
         self.limits = limits
         self.num_inflight = 0  # requests admitted and not closed yet (event loop only)
         self._served_model_names = served_model_names
@@ -157,10 +161,14 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_key: str | None = None,
     limits: Limits | None = None,
+    kv_auth: KVAuth | None = None,
 ) -> FastAPI:
     """The app serving `engine` (an AsyncEngine, not started yet). `on_start_failure` is called from the
-    engine-start thread if the model fails to load (the CLI uses it to stop the server)."""
-    state = ServerState(engine, served_model_names, on_start_failure or (lambda e: None), limits or Limits())
+    engine-start thread if the model fails to load (the CLI uses it to stop the server). `kv_auth` checks
+    kv_transfer_params' capabilities (None: nothing is checked)."""
+    state = ServerState(
+        engine, served_model_names, on_start_failure or (lambda e: None), limits or Limits(), kv_auth or KVAuth(None)
+    )
     registry = metrics.make_registry(engine.stats)
 
     @asynccontextmanager
@@ -266,6 +274,10 @@ async def _answer(
         kv_params = decode(body.kv_transfer_params)  # parsed once, here; typed from now on
     except KVParamsError as e:
         raise ApiError(400, str(e)) from e
+    try:  # before anything is allocated or dialed: coordinates must have been issued for this prompt
+        state.kv_auth.check(kv_params, prompt_ids, engine.info.kv_transfer_info)
+    except AuthError as e:
+        raise ApiError(403, str(e)) from e
     command = AddRequest(request_id, tuple(prompt_ids), params, kv_params, client_id)
     state.admit()
     try:

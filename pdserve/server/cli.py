@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from pdserve.auth import load_secret
 from pdserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from pdserve.server.kv_transfer_config import parse_kv_transfer_config
 from pdserve.transfer.faults import NO_FAULTS, Faults
@@ -131,6 +132,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on a failed or timed-out receive: fail the request, or prefill it locally (default fail)",
     )
     g.add_argument(
+        "--kv-auth-secret",
+        default=None,
+        metavar="VALUE",
+        help="the deployment secret (>= 16 bytes; the same on every instance and the router): signs "
+        "kv_transfer_params and authenticates the side channel. Prefer --kv-auth-secret-file (a flag value shows "
+        "in ps). Default: none (transfer params and peers are not authenticated; docs/deploy.md)",
+    )
+    g.add_argument(
+        "--kv-auth-secret-file", default=None, metavar="PATH", help="read the deployment secret from this file"
+    )
+    g.add_argument(
+        "--kv-net-devices",
+        default=None,
+        help="UCX_NET_DEVICES for the KV data plane, e.g. mlx5_0:1 (default: the interface holding "
+        "--kv-side-channel-host, unless UCX_NET_DEVICES is set; docs/deploy.md)",
+    )
+    g.add_argument(
         "--kv-transfer-config",
         default=None,
         help='vLLM\'s JSON form, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\' '
@@ -154,7 +172,8 @@ def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> Engine
         "load_failure_policy": args.kv_load_failure_policy,
     }
     transfer.update({k: v for k, v in flags.items() if v is not None})
-    transfer_config = TransferConfig(**transfer, faults=faults)
+    secret = load_secret(args.kv_auth_secret, args.kv_auth_secret_file)
+    transfer_config = TransferConfig(**transfer, faults=faults, auth_secret=secret, net_devices=args.kv_net_devices)
     num_threads = args.num_threads if args.num_threads is not None else default_num_threads(transfer_config.role)
     if num_threads < 1:
         raise ConfigError(f"--num-threads must be >= 1, got {num_threads}")
@@ -186,14 +205,20 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
     )
     try:
         config = build_config(args, faults)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
+    if config.transfer.is_disaggregated and config.transfer.auth_secret is None:
+        log.warning(
+            "no --kv-auth-secret: kv_transfer_params and side-channel peers are NOT authenticated; anyone who "
+            "reaches this instance can read or write KV through it (docs/deploy.md)"
+        )
 
     import uvicorn
 
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.server.api import Limits, build_app
+    from pdserve.transfer.capability import KVAuth
 
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -211,6 +236,7 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         max_body_bytes=int(args.max_body_mb * 2**20),
         api_key=args.api_key,
         limits=Limits(args.max_inflight_requests, args.max_queue_wait_s),
+        kv_auth=KVAuth(config.transfer.auth_secret),
     )
     t = config.transfer
     log.info(

@@ -7,6 +7,7 @@ Files, laid out by thread. Shared and pure (no torch, numpy or nixl):
   base.py            the contract: KVCacheSpec, RecvTask, SendTask, StepMeta, TransferResults, the two ABCs
   params.py          kv_transfer_params: vLLM's key names, one decode (at the HTTP edge) and one encode, typed
                      values (RemoteDecode, PullSource, PushSource; P's answers PushAnswer, Refusal)
+  capability.py      capabilities on kv_transfer_params: issued by P (pull) or the router (push), checked at the edge
   wire.py            every side-channel/notification message (WIRE_VERSION, encode/decode, compatibility hash)
   faults.py          test-only Faults (delays, switches) and its one defer() helper; NO_FAULTS in production
   factory.py         make_connectors(): Nop for kv role "both", else pull or push (binds the side channel)
@@ -23,7 +24,9 @@ thread/ — the transfer thread (and the side-channel thread):
                      registration and completions) and PushWorker
   landing.py         D, both modes: what happens once a recv's KV landed (staging copy-in, then report)
   agent.py           the only file that imports nixl; errors become AgentError / PeerGone
-  handshake.py       the side channel: TCP + msgpack frames, one asyncio thread, server and client
+  netdev.py          UCX_NET_DEVICES before the agent exists: UCX listens on the side channel's interface only
+  handshake.py       the side channel: TCP + msgpack frames, one asyncio thread, server and client; with a
+                     secret, Sealed frames (HMAC both ways) and a Refused that reveals nothing
   peers.py           handshake cache per address, loaded remote agents, liveness probes
   results.py         thread-safe hand-back of results, events and counters to the engine
 Kept at the top for now (being reworked for a block-major cache):

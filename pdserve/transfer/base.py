@@ -12,7 +12,7 @@ Only the plain data below crosses the boundary; this package never imports the e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,9 +153,15 @@ class ConnectorScheduler(ABC):
 
     @abstractmethod
     def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        params: KVTransferParams | None,
+        token_ids: Sequence[int] = (),
     ) -> bool:
-        """A request finished. Returns True to keep its blocks pinned until a finished send."""
+        """A request finished. Returns True to keep its blocks pinned until a finished send. token_ids: the
+        request's tokens (prompt, then output); the first num_tokens are the ones whose KV the blocks hold."""
 
     @abstractmethod
     def take_answer(self, request_id: str) -> KVAnswer | None:

@@ -17,7 +17,7 @@ def make_connectors(
         return NopScheduler(block_size), NopWorker()
     from pdserve.transfer.thread.handshake import SideChannel
 
-    side = SideChannel(cfg.side_channel_host, cfg.side_channel_port)
+    side = SideChannel(cfg.side_channel_host, cfg.side_channel_port, cfg.auth_secret)
     if cfg.mode == "pull":
         from pdserve.transfer.scheduler.pull import PullScheduler
         from pdserve.transfer.thread.pull import PullWorker

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.transfer.base import (
@@ -34,7 +34,12 @@ class NopScheduler(ConnectorScheduler):
         raise RuntimeError("a colocated instance never waits for remote KV")
 
     def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        params: KVTransferParams | None,
+        token_ids: Sequence[int] = (),
     ) -> bool:
         return False
 

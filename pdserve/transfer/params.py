@@ -36,6 +36,7 @@ TP_SIZE = "tp_size"  # P's tensor-parallel size
 TRANSFER_ID = "transfer_id"  # push: pairs P's prefill with D's registration (the router's)
 TRANSFER_MODE = "transfer_mode"  # "pull" | "push"
 ERROR = "error"  # P's answer when it cannot hand the KV over
+CAPABILITY = "kv_capability"  # pdserve's: {"expires_at", "mac", "prompt_digest"} (transfer/capability.py)
 
 # ---- limits (a bad peer or client cannot make an instance allocate or loop on them) -------------------------------
 MAX_PORT = 65535
@@ -46,6 +47,7 @@ MAX_BLOCK_ID = (1 << 31) - 1
 MAX_TOKENS = (1 << 31) - 1
 MAX_BLOCK_SIZE = 1 << 16
 MAX_TP_SIZE = 1024
+MAX_MAC_LEN = 128  # hex characters of a capability's MAC or prompt digest
 
 
 class Mode(enum.Enum):
@@ -67,11 +69,22 @@ class KVParamsError(ValueError):
 
 
 @dataclass(frozen=True)
+class Capability:
+    """Proof that the coordinates next to it were issued (P for pull, the router for push) by a holder of
+    the deployment secret: transfer/capability.py says which fields its MAC covers and checks it."""
+
+    expires_at: float  # time.time() after which the coordinates are refused
+    mac: str  # HMAC-SHA256 (hex) over what the coordinates name, this expiry and prompt_digest
+    prompt_digest: str | None = None  # pull: auth.prompt_digest of the tokens whose KV P holds
+
+
+@dataclass(frozen=True)
 class RemoteDecode:
     """P: this request's KV goes to a decode instance once it finished."""
 
     mode: Mode | None  # None: not said (a vLLM-style proxy); the instance's own mode applies
     transfer_id: str | None  # push: the router's id pairing this prefill with D's registration
+    capability: Capability | None = None  # push: the router's, over transfer id and this P (None: unsigned)
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,7 @@ class PullSource:
     num_tokens: int  # tokens whose KV P holds
     block_size: int | None  # P's tokens per block; None: taken from the handshake
     tp_size: int = 1  # P's tensor-parallel size
+    capability: Capability | None = None  # P's, over all of the above and the prompt digest (None: unsigned)
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,7 @@ class PushSource:
     port: int  # 1..65535
     engine_id: str | None  # P's engine id; None: not checked against the handshake
     tp_size: int = 1  # P's tensor-parallel size: the completions D counts (issue 12: take it from the handshake)
+    capability: Capability | None = None  # the router's, over transfer id and P (None: unsigned)
 
 
 @dataclass(frozen=True)
@@ -132,7 +147,7 @@ def decode(raw: object) -> KVTransferParams | None:
     if decode_kv and prefill:
         raise KVParamsError(DO_REMOTE_DECODE, f"cannot be set together with {DO_REMOTE_PREFILL}")
     if decode_kv:
-        return RemoteDecode(mode, _opt_str(raw, TRANSFER_ID, MAX_ID_LEN))
+        return RemoteDecode(mode, _opt_str(raw, TRANSFER_ID, MAX_ID_LEN), _capability(raw))
     if not prefill:
         return None
     if mode is None:  # vLLM's pull answers carry no mode; the router's push params always do
@@ -145,6 +160,7 @@ def decode(raw: object) -> KVTransferParams | None:
         _int(raw, REMOTE_PORT, 1, MAX_PORT),
         _opt_str(raw, REMOTE_ENGINE_ID, MAX_ID_LEN),
         _opt_int(raw, TP_SIZE, 1, MAX_TP_SIZE) or 1,
+        _capability(raw),
     )
 
 
@@ -185,6 +201,7 @@ def _pull_source(raw: dict[str, Any]) -> PullSource:
         _int(raw, REMOTE_NUM_TOKENS, 0, MAX_TOKENS),
         _opt_int(raw, REMOTE_BLOCK_SIZE, 1, MAX_BLOCK_SIZE),
         _opt_int(raw, TP_SIZE, 1, MAX_TP_SIZE) or 1,
+        _capability(raw),
     )
     if src.block_size is not None and len(src.block_ids) * src.block_size < src.num_tokens:
         raise KVParamsError(
@@ -192,6 +209,34 @@ def _pull_source(raw: dict[str, Any]) -> PullSource:
             f"{len(src.block_ids)} blocks of {src.block_size} tokens cannot hold {src.num_tokens} tokens",
         )
     return src
+
+
+def _capability(raw: dict[str, Any]) -> Capability | None:
+    cap = raw.get(CAPABILITY)
+    if cap is None:
+        return None
+    if not isinstance(cap, dict):
+        raise KVParamsError(CAPABILITY, f"must be a JSON object, got {_show(cap)}")
+    expires_at: Any = cap.get("expires_at")
+    if type(expires_at) not in (int, float) or not 0 <= expires_at < 1e12:
+        raise KVParamsError(
+            CAPABILITY, f"expires_at must be a number of seconds since the epoch, got {_show(expires_at)}"
+        )
+    try:
+        mac = _str(cap, "mac", MAX_MAC_LEN)
+        digest = _opt_str(cap, "prompt_digest", MAX_MAC_LEN)
+    except KVParamsError as e:
+        raise KVParamsError(CAPABILITY, f"{e.key} {e.problem}") from None
+    return Capability(float(expires_at), mac, digest)
+
+
+def _encode_capability(cap: Capability | None) -> dict[str, Any] | None:
+    if cap is None:
+        return None
+    out: dict[str, Any] = {"expires_at": cap.expires_at, "mac": cap.mac}
+    if cap.prompt_digest is not None:
+        out["prompt_digest"] = cap.prompt_digest
+    return out
 
 
 def _show(value: object) -> str:
@@ -255,6 +300,8 @@ def encode(value: KVTransferParams | KVAnswer) -> dict[str, Any]:
             out[TRANSFER_ID] = value.transfer_id
         if value.mode is not None:
             out[TRANSFER_MODE] = value.mode.value
+        if value.capability is not None:
+            out[CAPABILITY] = _encode_capability(value.capability)
         return out
     if isinstance(value, PullSource):
         out = {
@@ -268,6 +315,7 @@ def encode(value: KVTransferParams | KVAnswer) -> dict[str, Any]:
             REMOTE_BLOCK_SIZE: value.block_size,
             TP_SIZE: value.tp_size,
             TRANSFER_MODE: Mode.PULL.value,
+            CAPABILITY: _encode_capability(value.capability),
         }
         return {k: v for k, v in out.items() if v is not None}
     if isinstance(value, PushSource):
@@ -279,6 +327,7 @@ def encode(value: KVTransferParams | KVAnswer) -> dict[str, Any]:
             REMOTE_PORT: value.port,
             TP_SIZE: value.tp_size,
             TRANSFER_MODE: Mode.PUSH.value,
+            CAPABILITY: _encode_capability(value.capability),
         }
         return {k: v for k, v in out.items() if v is not None}
     if isinstance(value, PushAnswer):

@@ -17,7 +17,8 @@ import msgpack
 # 1: first version — handshake, ping, pull release, push register/done/cancel/cancel-ack/fail (2026-11-30).
 # 2: PushRegister.keepalive_ms and PushQueued: P says a registered prefill is queued or running (2026-11-30).
 # 3: the KV cache is block-major [blocks, layers, 2, block_size, heads, head_dim] (addresses differ) (2026-12-01).
-WIRE_VERSION = 3
+# 4: Sealed (a side-channel frame with an HMAC over a nonce, a timestamp and the message) and Refused (2026-12-02).
+WIRE_VERSION = 4
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 
@@ -147,6 +148,26 @@ class PushFail:
     reason: str
 
 
+@dataclass(frozen=True)
+class Sealed:
+    """Side channel with a deployment secret (handshake.py): one message wrapped with proof of the secret.
+    Request: mac = HMAC("side-channel-client", [nonce, ts_ms, sha256(body)]), nonce fresh per request.
+    Reply: mac = HMAC("side-channel-server", [the request's nonce, ts_ms, sha256(body)])."""
+
+    nonce: str  # the client's fresh nonce (hex), echoed in the reply
+    ts_ms: int  # sender's wall clock, ms since the epoch (requests off by more than MAX_CLOCK_SKEW_S are refused)
+    mac: str  # HMAC-SHA256 hex
+    body: bytes  # one encoded message (never a Sealed)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Side channel: the request was not authenticated (or the ends disagree on having a secret). Says only
+    why, never anything about this instance."""
+
+    reason: str
+
+
 Message = (
     HandshakeRequest
     | HandshakeReply
@@ -159,6 +180,8 @@ Message = (
     | PushCancelAck
     | PushFail
     | PushQueued
+    | Sealed
+    | Refused
 )
 _TYPES: dict[str, type] = {
     c.__name__: c
@@ -174,6 +197,8 @@ _TYPES: dict[str, type] = {
         PushCancelAck,
         PushFail,
         PushQueued,
+        Sealed,
+        Refused,
     )
 }
 

@@ -26,7 +26,7 @@ class RecordingConnector(NopScheduler):
     def on_blocks_allocated(self, request_id, block_ids, num_local_tokens, num_prompt_tokens, source):
         self.allocated.append((request_id, list(block_ids), num_local_tokens, num_prompt_tokens))
 
-    def on_request_finished(self, request_id, block_ids, num_tokens, params):
+    def on_request_finished(self, request_id, block_ids, num_tokens, params, token_ids=()):
         self.finished.append(request_id)
         return isinstance(params, RemoteDecode)
 

@@ -3,20 +3,34 @@ their coordinates (a PullSource, relayed by the router to D); D's recvs come fro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from pdserve.transfer.base import ConnectorScheduler, SendTask
+from pdserve.transfer.capability import KVAuth
 from pdserve.transfer.params import KVTransferParams, PullSource, RemoteDecode
 from pdserve.transfer.scheduler.base import SchedulerBase
 
 
 class PullScheduler(SchedulerBase, ConnectorScheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._auth = KVAuth(self.cfg.auth_secret)  # signs answers; expires with the lease (the blocks' life)
+
     def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        params: KVTransferParams | None,
+        token_ids: Sequence[int] = (),
     ) -> bool:
         if not isinstance(params, RemoteDecode):
             return False
         self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens))
-        self._answers[request_id] = PullSource(
+        source = PullSource(
             self.host, self.port, self.cfg.engine_id, request_id, tuple(block_ids), num_tokens, self.block_size,
             self.tp_size,
         )  # fmt: skip
+        self._answers[request_id] = self._auth.issue_pull(source, token_ids, self.cfg.lease_s)
         return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask
@@ -47,7 +48,12 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
         return RecvTask(request_id, block_ids, start, num_tokens, source, attempt)
 
     def on_request_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, params: KVTransferParams | None
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        params: KVTransferParams | None,
+        token_ids: Sequence[int] = (),
     ) -> bool:
         self._producing.pop(request_id, None)  # ends as the SendTask below (same transfer id)
         if not isinstance(params, RemoteDecode):

@@ -23,6 +23,7 @@ from pdserve.transfer.thread.agent import AgentError, NixlAgent
 from pdserve.transfer.thread.context import ModeCore, TransferContext
 from pdserve.transfer.thread.handshake import SideChannel
 from pdserve.transfer.thread.loop import TransferLoop
+from pdserve.transfer.thread.netdev import restrict_ucx
 from pdserve.transfer.thread.peers import Peers
 from pdserve.transfer.thread.results import ResultSink
 from pdserve.transfer.wire import (
@@ -110,6 +111,7 @@ class NixlWorker(ConnectorWorker):
         stager = make_stager(self.cfg.kv_buffer_device, kv_cache, self.cfg.faults)
         if stager is not None:  # NIXL, the layout and the handshake see the mirror, never the cache itself
             kv_cache, spec = stager.mirror, stager.spec(spec)
+        restrict_ucx(self.cfg.side_channel_host, self.cfg.net_devices)  # UCX reads it when the agent is created
         agent = NixlAgent(name, kv_cache, spec)
         local = local_peer_info(self.cfg, spec, agent)
         peers = Peers(agent, local, self.side, self.thread)

@@ -1,0 +1,127 @@
+"""Capabilities on kv_transfer_params: coordinates are issued (signed) and checked, never trusted.
+
+Who issues, who checks, over what (auth.Signer, HMAC-SHA256 with the deployment secret):
+  pull  P signs its answer (PullSource) when the request finishes, purpose "pull", over
+        [engine id, side-channel host, port, request id, block ids, num tokens, block size, tp size,
+         expires_at, prompt digest] where the digest is auth.prompt_digest of the tokens [0, num tokens) whose
+        KV P computed; it expires with P's lease (after it the blocks may hold another request's KV).
+        D checks it at its HTTP edge, and that the digest equals the digest of its own prompt's first
+        num_tokens tokens: KV that enters D (and its prefix cache) is P's KV of exactly these tokens.
+  push  the router signs, purpose "push", over [transfer id, P's engine id, P's side-channel host, port,
+        expires_at]; the same capability goes on both legs. P checks it on the RemoteDecode leg (against its
+        own engine id and address), D on the PushSource leg (against the coordinates it will dial).
+Every instance refuses a capability it has seen before (ReplayGuard keyed by the MAC, per instance).
+
+Checked before the engine allocates a block or the transfer thread dials anything. Without a secret nothing
+is signed or checked (`KVAuth(None)`); an instance says so once at startup (server/cli.py).
+Pure Python: the router imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pdserve.auth import AuthError, ReplayGuard, Signer, prompt_digest
+from pdserve.transfer.params import Capability, KVTransferParams, PullSource, PushSource, RemoteDecode
+
+PULL = "pull"
+PUSH = "push"
+
+
+def pull_fields(src: PullSource, expires_at: float, digest: str | None) -> list[object]:
+    """What a pull capability's MAC covers (the order is the format: change it and bump nothing else)."""
+    return [
+        src.engine_id, src.host, src.port, src.request_id, list(src.block_ids), src.num_tokens, src.block_size,
+        src.tp_size, expires_at, digest,
+    ]  # fmt: skip
+
+
+def push_fields(transfer_id: str, engine_id: str | None, host: str, port: int, expires_at: float) -> list[object]:
+    """What a push capability's MAC covers."""
+    return [transfer_id, engine_id, host, port, expires_at]
+
+
+class KVAuth:
+    """Issues and checks capabilities for one instance (or the router). `KVAuth(None)`: nothing signed or
+    checked. issue_* may run on any thread; check() keeps the replay memory and runs on the event loop only."""
+
+    def __init__(self, secret: bytes | None, clock: Callable[[], float] = time.time) -> None:
+        self._signer = Signer(secret) if secret else None
+        self._replays = ReplayGuard()
+        self._clock = clock
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._signer is not None
+
+    # ---- issue --------------------------------------------------------------------------------------------------
+    def issue_pull(self, src: PullSource, token_ids: Sequence[int], ttl_s: float) -> PullSource:
+        """src with P's capability over it and the digest of token_ids[:src.num_tokens] (src unchanged when
+        there is no secret)."""
+        if self._signer is None:
+            return src
+        expires_at = round(self._clock() + ttl_s, 3)
+        digest = prompt_digest(token_ids[: src.num_tokens])
+        mac = self._signer.sign(PULL, pull_fields(src, expires_at, digest))
+        return dataclasses.replace(src, capability=Capability(expires_at, mac, digest))
+
+    def issue_push(self, transfer_id: str, engine_id: str, host: str, port: int, ttl_s: float) -> Capability | None:
+        """The router's capability for one push transfer (both legs carry it); None when there is no secret."""
+        if self._signer is None:
+            return None
+        expires_at = round(self._clock() + ttl_s, 3)
+        return Capability(
+            expires_at, self._signer.sign(PUSH, push_fields(transfer_id, engine_id, host, port, expires_at))
+        )
+
+    # ---- check --------------------------------------------------------------------------------------------------
+    def check(self, params: KVTransferParams | None, prompt_ids: Sequence[int], local: Mapping[str, Any]) -> None:
+        """Raise AuthError naming the problem when params carry coordinates that were not issued to this request:
+        unsigned, forged or altered, expired, already used, or (pull) for other tokens than this prompt's.
+        `local` is this instance's /kv_transfer/info (a push P checks that the capability names it)."""
+        if self._signer is None or params is None:
+            return
+        if isinstance(params, RemoteDecode):
+            if params.transfer_id is None and params.capability is None:
+                return  # a pull prefill leg names nothing: P issues the capability itself
+            if params.transfer_id is None:
+                raise AuthError("kv_capability on a prefill leg without transfer_id")
+            fields = push_fields(
+                params.transfer_id, local.get("engine_id"), local.get("side_channel_host", ""),
+                local.get("side_channel_port", 0), self._expiry(params.capability),
+            )  # fmt: skip
+            self._verify(PUSH, fields, params.capability)
+        elif isinstance(params, PushSource):
+            fields = push_fields(
+                params.transfer_id, params.engine_id, params.host, params.port, self._expiry(params.capability)
+            )
+            self._verify(PUSH, fields, params.capability)
+        else:
+            cap = params.capability
+            self._verify(PULL, pull_fields(params, self._expiry(cap), cap.prompt_digest if cap else None), cap)
+            assert cap is not None  # _verify refused a missing one
+            if params.num_tokens > len(prompt_ids) or cap.prompt_digest != prompt_digest(
+                prompt_ids[: params.num_tokens]
+            ):
+                raise AuthError(
+                    f"kv_capability: the KV it names is of other tokens than this prompt's first {params.num_tokens}"
+                )
+        cap = params.capability
+        assert cap is not None
+        if not self._replays.first_use(cap.mac, cap.expires_at, self._clock()):
+            raise AuthError("kv_capability was already used (replayed)")
+
+    def _expiry(self, cap: Capability | None) -> float:
+        return cap.expires_at if cap is not None else 0.0
+
+    def _verify(self, purpose: str, fields: list[object], cap: Capability | None) -> None:
+        assert self._signer is not None
+        if cap is None:
+            raise AuthError("kv_transfer_params are unsigned (no kv_capability) and this instance requires one")
+        if not self._signer.verify(purpose, fields, cap.mac):
+            raise AuthError(f"kv_capability does not match the {purpose} coordinates (forged or altered)")
+        if cap.expires_at <= self._clock():
+            raise AuthError(f"kv_capability expired {self._clock() - cap.expires_at:.0f} s ago")

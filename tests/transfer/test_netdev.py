@@ -1,0 +1,41 @@
+"""UCX (NIXL's data plane) listens only where the operator says: the side channel's interface by default."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+from harness import Instance
+
+from pdserve.transfer.thread.netdev import interface_of, ucx_net_devices
+
+
+def test_net_devices_choice() -> None:
+    assert interface_of("127.0.0.1") == "lo" and interface_of("localhost") == "lo"
+    assert interface_of("203.0.113.77") is None  # (TEST-NET-3: held by no interface here)
+    assert ucx_net_devices("127.0.0.1", None, {}) == "lo"
+    assert ucx_net_devices("127.0.0.1", "mlx5_0:1", {}) == "mlx5_0:1"  # --kv-net-devices wins
+    assert ucx_net_devices("127.0.0.1", None, {"UCX_NET_DEVICES": "eth0"}) is None  # the operator's own
+    assert ucx_net_devices("0.0.0.0", None, {}) is None  # wildcard: left alone (with a warning)
+
+
+def tcp_listeners(pid: int) -> list[str]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_ucx_listens_on_loopback_only() -> None:
+    # Seen on this CPU machine (lo + eth0): UCX's TCP transport opens one listener per allowed interface;
+    # unrestricted ("all") it listened on 127.0.0.1 and on eth0's address as well.
+    p = Instance("prefill", "pull").wait_ready()
+    try:
+        time.sleep(0.5)
+        listeners = tcp_listeners(p.proc.pid)
+        assert listeners, "expected the side channel (and UCX) to listen"
+        assert all(addr.startswith("127.0.0.1:") for addr in listeners), listeners
+    finally:
+        p.call("shutdown")
+        p.proc.join(10)
