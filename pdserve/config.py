@@ -80,6 +80,11 @@ class TransferConfig:
     push_registration_timeout_s: float = 30.0  # P drops a registration for a transfer it has no request for
     recv_timeout_s: float = 60.0  # D fails (or recomputes) a request whose KV has not landed by then
     load_failure_policy: Literal["fail", "recompute"] = "fail"
+    # Liveness (docs/architecture.md, "Liveness"): a peer this instance holds state for is pinged this often on
+    # its side channel; one silent for peer_timeout_s (or answering as another process) is dead: its requests
+    # fail (or recompute) at once. peer_timeout_s also bounds D's wait for P's PullReleaseAck.
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 4.0
     faults: Faults = NO_FAULTS  # tests only (transfer/faults.py); no flag sets it
     # The deployment secret (auth.py): signs capabilities and authenticates the side channel; None: neither
     # (the instance warns at startup). Never printed (repr=False).
@@ -101,9 +106,11 @@ class TransferConfig:
             raise ConfigError("the KV auth secret must be at least 16 bytes")
         if self.net_devices is not None and not self.net_devices.strip():
             raise ConfigError("kv net devices must name at least one device")
-        for name in ("lease_s", "push_registration_timeout_s", "recv_timeout_s"):
+        for name in ("lease_s", "push_registration_timeout_s", "recv_timeout_s", "heartbeat_s", "peer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.peer_timeout_s <= self.heartbeat_s:
+            raise ConfigError(f"peer_timeout_s ({self.peer_timeout_s}) must exceed heartbeat_s ({self.heartbeat_s})")
 
     @property
     def is_disaggregated(self) -> bool:

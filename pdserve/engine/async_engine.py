@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.client import AbortRequest, AddRequest, EngineCommand, EngineInfo, EngineStats
+from pdserve.engine.client import AbortRequest, AddRequest, EngineCommand, EngineInfo, EngineStats, ReleaseRequest
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.model.tokenizer import Tokenizer
@@ -127,6 +127,13 @@ class AsyncEngine:
         self._inbox.append(AbortRequest(request_id))
         self._wake.set()
 
+    async def release(self, command: ReleaseRequest) -> bool:
+        if not self.is_ready:
+            raise RuntimeError(self._error or "engine is not ready")
+        self._inbox.append(command)
+        self._wake.set()
+        return await asyncio.wrap_future(command.reply)
+
     # ---- the loop (engine thread) -----------------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self._engine
@@ -155,6 +162,12 @@ class AsyncEngine:
             if isinstance(command, AbortRequest):
                 if (out := engine.abort(command.request_id)) is not None:
                     self._send(command.request_id, out)
+                continue
+            if isinstance(command, ReleaseRequest):
+                found, out = engine.release(command.request_id, command.transfer_id)
+                if out is not None:
+                    self._send(out.request_id, out)
+                command.reply.set_result(found)
                 continue
             try:
                 engine.add_request(

@@ -8,6 +8,7 @@ torch, so the server's request path stays importable without the model stack.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,7 +39,23 @@ class AbortRequest:
     request_id: str
 
 
-EngineCommand = AddRequest | AbortRequest
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """Event loop -> engine thread (P): give up the pinned KV of a finished request now (the router's
+    POST /kv_transfer/release after D's leg failed); a request still running is aborted. Exactly one of the
+    two ids is set. The engine answers through `reply`: True when it knew the request (idempotent: a repeat for
+    one it released answers True again), False when unknown (the server's 404)."""
+
+    request_id: str | None  # pull: P's request id (remote_request_id in P's answer)
+    transfer_id: str | None  # push: the router's transfer id
+    reply: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.request_id is None) == (self.transfer_id is None):
+            raise ValueError("give exactly one of request_id and transfer_id")
+
+
+EngineCommand = AddRequest | AbortRequest | ReleaseRequest
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,9 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None:
         """Stop a request (no-op if it already ended)."""
+
+    async def release(self, command: ReleaseRequest) -> bool:
+        """P: free a finished request's pinned KV now (or abort it if still running); False when unknown."""
 
     def stats(self) -> EngineStats:
         """The latest snapshot, with the observations made since the previous call."""

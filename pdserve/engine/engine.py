@@ -22,11 +22,12 @@ from pdserve.engine.text import TextTracker
 from pdserve.model.loader import load_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
-from pdserve.transfer.params import KVTransferParams
+from pdserve.transfer.params import KVTransferParams, RemoteDecode
 
 log = logging.getLogger(__name__)
 
 MAX_TIMELINES = 2000  # finished requests whose timestamps GET /timeline can still show
+MAX_RELEASED_IDS = 4096  # P: request ids whose pins were released, so a repeated release still answers found
 
 
 class LLMEngine:
@@ -57,6 +58,8 @@ class LLMEngine:
         self.num_steps = 0  # step() calls so far
         self.num_step_failures = 0  # steps whose forward pass raised (their requests failed)
         self.transfer_hook_seconds = 0.0  # engine-thread time spent in the connector hooks (cumulative)
+        # P: request id -> its transfer id (push), of pins released by abort()/release() (a repeat answers found)
+        self._released: OrderedDict[str, str | None] = OrderedDict()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -98,9 +101,40 @@ class LLMEngine:
         self._text[request_id] = TextTracker(self.tokenizer, params.stop, req.prompt_token_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request; one that finished and is pinned for a consumer (P) has its pin released now."""
         req = self.scheduler.abort(request_id)
+        if req is None and (pinned := self.scheduler.release_pin(request_id)) is not None:
+            self._remember_released(pinned)
         self._submit_transfers()  # now, not at the next step: an idle P may not take one soon
         return None if req is None else self._output(req)
+
+    def release(self, request_id: str | None, transfer_id: str | None) -> tuple[bool, RequestOutput | None]:
+        """P: give up a request's pinned KV now (D's leg failed): (known, the aborted request's output if it was
+        still running). Exactly one id is given; push names the transfer id."""
+        rid = request_id if request_id is not None else self._producer_of(transfer_id)
+        if rid is None:
+            return False, None
+        if rid in self.scheduler.requests:
+            return True, self.abort(rid)
+        if (pinned := self.scheduler.release_pin(rid)) is not None:
+            self._remember_released(pinned)
+            self._submit_transfers()
+            return True, None
+        return rid in self._released, None
+
+    def _producer_of(self, transfer_id: str | None) -> str | None:
+        s = self.scheduler
+        for req in [*s.pinned.values(), *s.requests.values()]:
+            params = req.kv_transfer_params
+            if isinstance(params, RemoteDecode) and params.transfer_id == transfer_id:
+                return req.request_id
+        return next((rid for rid, tid in self._released.items() if tid == transfer_id), None)
+
+    def _remember_released(self, req: Request) -> None:
+        params = req.kv_transfer_params
+        self._released[req.request_id] = params.transfer_id if isinstance(params, RemoteDecode) else None
+        while len(self._released) > MAX_RELEASED_IDS:
+            self._released.popitem(last=False)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

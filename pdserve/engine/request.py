@@ -35,6 +35,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained digest of each full block, computed lazily
     needs_remote_kv: bool = False  # D: prompt KV comes from a remote prefill
     remote_kv_ready: bool = False  # D: that KV has landed; compute only the last prompt token
+    pin_released: bool = False  # P: finished and pinned, and the engine gave the pin up (abort, release)
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None

@@ -108,6 +108,15 @@ class Scheduler:
         self.finish(req, "abort")
         return req
 
+    def release_pin(self, request_id: str) -> Request | None:
+        """P: give up a finished request's pin now (abort, or D's leg failed). Its blocks are freed on the
+        finished send the connector reports (at once, or after a WRITE in flight); None if it is not pinned."""
+        req = self.pinned.get(request_id)
+        if req is not None and not req.pin_released:
+            req.pin_released = True
+            self.connector.on_pin_released(request_id)
+        return req
+
     # ---- transfer results ---------------------------------------------------------------------------------
     def on_kv_received(self, request_id: str) -> None:
         if (req := self.aborting.pop(request_id, None)) is not None:

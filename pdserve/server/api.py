@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.auth import AuthError
-from pdserve.engine.client import AddRequest, EngineClient
+from pdserve.engine.client import AddRequest, EngineClient, ReleaseRequest
 from pdserve.server import metrics
 from pdserve.server.prepare import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -40,6 +40,7 @@ from pdserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    KVReleaseRequest,
     ModelCard,
     ModelList,
     SamplingFields,
@@ -231,6 +232,23 @@ def build_app(
     async def kv_transfer_info() -> Response:
         state.check_ready()
         return JSONResponse(engine.info.kv_transfer_info)
+
+    @app.post("/kv_transfer/release")
+    async def kv_transfer_release(body: KVReleaseRequest) -> Response:
+        """Free P's pin for one request at once (idempotent); 404 when this instance does not know it."""
+        state.check_ready()
+        try:
+            command = ReleaseRequest(body.request_id, body.transfer_id)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        if not await engine.release(command):
+            which = (
+                f"request_id {body.request_id!r}"
+                if body.request_id is not None
+                else f"transfer_id {body.transfer_id!r}"
+            )
+            raise ApiError(404, f"no pinned or running request with {which} on this instance")
+        return JSONResponse({"released": True})
 
     @app.get("/timeline")
     async def timeline() -> Response:

@@ -126,6 +126,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "counted from P's last notice that the prefill is queued or running)",
     )
     g.add_argument(
+        "--kv-heartbeat-s", type=float, default=None, help="ping peers this instance holds state for this often (1)"
+    )
+    g.add_argument(
+        "--kv-peer-timeout-s",
+        type=float,
+        default=None,
+        help="a peer silent this long is dead: its requests fail or recompute, its blocks are freed (4)",
+    )
+    g.add_argument(
         "--kv-load-failure-policy",
         choices=["fail", "recompute"],
         default=None,
@@ -170,6 +179,8 @@ def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> Engine
         "push_registration_timeout_s": args.push_registration_timeout_s,
         "recv_timeout_s": args.kv_recv_timeout_s,
         "load_failure_policy": args.kv_load_failure_policy,
+        "heartbeat_s": args.kv_heartbeat_s,
+        "peer_timeout_s": args.kv_peer_timeout_s,
     }
     transfer.update({k: v for k, v in flags.items() if v is not None})
     secret = load_secret(args.kv_auth_secret, args.kv_auth_secret_file)

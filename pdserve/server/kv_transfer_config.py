@@ -5,7 +5,7 @@
 
 kv_connector_extra_config may carry pdserve's own transfer settings under their TransferConfig names
 (side_channel_host, side_channel_port, lease_s, push_registration_timeout_s, recv_timeout_s,
-load_failure_policy); vLLM-only keys (backends, ...) are ignored with a warning.
+load_failure_policy, heartbeat_s, peer_timeout_s); vLLM-only keys (backends, ...) are ignored with a warning.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ EXTRA_KEYS = {  # kv_connector_extra_config key -> TransferConfig field
     "kv_recv_timeout_s": "recv_timeout_s",
     "load_failure_policy": "load_failure_policy",
     "kv_load_failure_policy": "load_failure_policy",
+    "heartbeat_s": "heartbeat_s",
+    "peer_timeout_s": "peer_timeout_s",
 }
 IGNORED_KEYS = {"kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_buffer_size", "kv_connector_module_path"}
 

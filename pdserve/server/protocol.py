@@ -21,6 +21,14 @@ def _is_none(value: Any) -> bool:
 # --- requests -------------------------------------------------------------------------------------------
 
 
+class KVReleaseRequest(BaseModel):
+    """POST /kv_transfer/release (the router, after D's leg failed): free P's pinned KV for one request now."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str | None = Field(default=None, max_length=256)  # pull: remote_request_id of P's answer
+    transfer_id: str | None = Field(default=None, max_length=256)  # push: the router's transfer id
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False  # send a last chunk with `usage` and no choices before [DONE]
 

@@ -39,8 +39,9 @@ thread (every NIXL call), the side-channel thread (handshakes). Start: transfer 
 shutdown: side channel, transfer thread (in-flight transfers drain up to 2 s), agent.
 
 Pull: P finishes -> blocks pinned, response carries P's coordinates -> router -> D allocates, handshakes with
-P (cached per address), READs tokens [num_local, num_prompt - 1), reports finished_recvs, then sends
-PullRelease -> P reports finished_sends (or "expired" after lease_s). D's READ carries no notification: one
+P (cached per address), READs tokens [num_local, num_prompt - 1), sends PullRelease; P answers PullReleaseAck
+(held: the pin was in place) and reports finished_sends (or "expired" after lease_s); D reports finished_recvs
+only on held=True. D's READ carries no notification: one
 that carries or follows a notification completes only when P polls (~1 ms vs ~30 us measured here).
 
 Push: D allocates at arrival, handshakes (P loads D's agent), sends PushRegister(transfer_id, attempt, blocks)
@@ -58,8 +59,9 @@ outputs leave; push: copied before the WRITE is posted), and D's cache is writte
 precedes finished_recvs. See staging.py.
 
 Who frees which block when (nothing is freed while a READ/WRITE may still land in it):
-  P pinned (pull):  D's PullRelease, or lease_s expiry ("expired").
-  P pinned (push):  the WRITE is DONE/failed; or lease_s without a registration ("expired").
+  P pinned (pull):  D's PullRelease (matching block ids), lease_s expiry ("expired"), the engine's release
+                    (StepMeta.releases: abort, POST /kv_transfer/release).
+  P pinned (push):  the WRITE is DONE/failed; lease_s without a registration ("expired"); the engine's release.
   D (pull):         READ done/failed, handshake failed, recv_timeout_s before the READ (a posted READ is
                     cancelled through NIXL or waited for).
   D (push):         all PushDone (finished); PushFail (P gave up: registration timeout, prefill aborted on P, bad

@@ -92,9 +92,12 @@ class StepMeta:
     # each later ends as exactly one SendTask or one `abandoned` entry
     expected: list[tuple[str, str]] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)  # P: request ids of `expected` that ended without a send
+    # P: request ids of finished sends whose pins the engine gives up now (an abort, POST /kv_transfer/release);
+    # each still ends as one finished send (at once, or when a WRITE in flight is over)
+    releases: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.recvs or self.sends or self.cancels or self.expected or self.abandoned)
+        return bool(self.recvs or self.sends or self.cancels or self.expected or self.abandoned or self.releases)
 
 
 @dataclass
@@ -172,6 +175,13 @@ class ConnectorScheduler(ABC):
     def on_request_aborted(self, request_id: str) -> None:
         """A request ended without finishing (abort or error) and holds no blocks a transfer may touch: forget
         it. P side: its prefill will never be handed over (push: a registration waiting for it is refused)."""
+
+    @abstractmethod
+    def on_pin_released(self, request_id: str) -> None:
+        """P: the engine gives up a finished request's pinned blocks before its consumer is done (an abort, or
+        the router's POST /kv_transfer/release after D's leg failed). The worker ends the send at once (pull: a
+        later PullRelease is answered held=False, so D never runs on these blocks; push: a pending registration
+        gets PushFail) or, with a WRITE in flight, when it is over; the blocks are freed on that finished send."""
 
     @abstractmethod
     def on_recv_aborted(self, request_id: str) -> None:

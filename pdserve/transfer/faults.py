@@ -3,7 +3,8 @@
 A test harness builds a Faults and hands it to the server (`pdserve.server.cli.run(args, faults=...)`, as
 tests/e2e/serve_with_faults.py does) or to the connectors (TransferConfig.faults); no flag, no environment
 variable. The default, NO_FAULTS, costs one comparison per fault point.
-The fault suite of issue 12 (drop, duplicate, reorder notifications; kill at a protocol step) adds points here.
+The fault suite (tests/transfer/test_faults.py) drops, duplicates, delays and so reorders notifications by
+message type on receipt, fails NIXL posts, and delays a pull's READ past a short lease.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class FaultPoint(enum.Enum):
     SEND_READY = "send_ready"  # P (push): a finished prefill reaches the rendezvous (forces registration first)
     REGISTER = "register"  # D (push): the registration is sent (forces the prefill first)
     STAGE_IN = "stage_in"  # D: landed KV is copied from the host mirror into the KV cache
+    READ = "read"  # D (pull): the READ is posted (a delay past a short lease_s makes a READ race the lease)
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,21 @@ class Faults:
     delay_send_ready_s: float = 0.0  # FaultPoint.SEND_READY
     delay_register_s: float = 0.0  # FaultPoint.REGISTER
     delay_stage_in_s: float = 0.0  # FaultPoint.STAGE_IN
+    delay_read_s: float = 0.0  # FaultPoint.READ
     force_staging: bool = False  # a host mirror even for a CPU cache (staging.py), so CPU tests copy
+    # notifications received by this instance, by message type name (wire.py: "PullRelease", "PushDone", ...)
+    drop_notifs: tuple[str, ...] = ()  # never delivered
+    duplicate_notifs: tuple[str, ...] = ()  # delivered twice
+    delay_notifs: tuple[str, ...] = ()  # delivered notif_delay_s late (so later notifications overtake them)
+    notif_delay_s: float = 0.0
+    fail_posts: bool = False  # every READ/WRITE post fails as a NIXL error would (AgentError)
 
     def __post_init__(self) -> None:
         for point in FaultPoint:
             if not self.delay_s(point) >= 0:
                 raise ValueError(f"delay_{point.value}_s must be >= 0, got {self.delay_s(point)}")
+        if not self.notif_delay_s >= 0:
+            raise ValueError(f"notif_delay_s must be >= 0, got {self.notif_delay_s}")
 
     def delay_s(self, point: FaultPoint) -> float:
         return float(getattr(self, f"delay_{point.value}_s"))
@@ -54,7 +65,11 @@ class Faults:
 
     @classmethod
     def from_json(cls, text: str) -> Faults:
-        return cls(**json.loads(text))
+        values = json.loads(text)
+        for name in ("drop_notifs", "duplicate_notifs", "delay_notifs"):  # JSON has lists, the fields are tuples
+            if name in values:
+                values[name] = tuple(values[name])
+        return cls(**values)
 
 
 NO_FAULTS = Faults()

@@ -49,6 +49,9 @@ class NopScheduler(ConnectorScheduler):
     def on_request_aborted(self, request_id: str) -> None:
         pass
 
+    def on_pin_released(self, request_id: str) -> None:
+        pass  # nothing is ever pinned
+
     def on_recv_aborted(self, request_id: str) -> None:
         raise RuntimeError("a colocated instance never waits for remote KV")
 

@@ -18,7 +18,9 @@ import msgpack
 # 2: PushRegister.keepalive_ms and PushQueued: P says a registered prefill is queued or running (2026-11-30).
 # 3: the KV cache is block-major [blocks, layers, 2, block_size, heads, head_dim] (addresses differ) (2026-12-01).
 # 4: Sealed (a side-channel frame with an HMAC over a nonce, a timestamp and the message) and Refused (2026-12-02).
-WIRE_VERSION = 4
+# 5: PullRelease.block_ids and PullReleaseAck (D runs a pull only once P confirms the pin held); PeerInfo.epoch
+#    and Pong.epoch (a restarted peer is recognised) (2026-12-02).
+WIRE_VERSION = 5
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 
@@ -49,6 +51,7 @@ class PeerInfo:
     tp_rank: int
     tp_size: int
     compat_hash: str
+    epoch: int  # this process's start (time.time_ns()): a restarted peer at the same address has another
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Ping:
 class Pong:
     engine_id: str
     agent_name: str
+    epoch: int  # PeerInfo.epoch of the answering process
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,18 @@ class PullRelease:
     request_id: str  # P's request id (remote_request_id in D's params)
     ok: bool  # False: D gave up (P counts the transfer as failed)
     num_bytes: int  # bytes D read
+    block_ids: list[int]  # P's blocks D read from (as in P's answer); P frees only a pin with exactly these
+
+
+@dataclass(frozen=True)
+class PullReleaseAck:
+    """Notification P -> D (pull): the answer to a PullRelease. D runs the request only on held=True: P's pin
+    was still in place (not expired, not released by an abort) when the release arrived, so every byte of the
+    READ D completed before sending the release came from the request's own blocks."""
+
+    request_id: str  # P's request id, as in the release
+    held: bool
+    reason: str  # why not held ("" when held)
 
 
 @dataclass(frozen=True)
@@ -174,6 +190,7 @@ Message = (
     | Ping
     | Pong
     | PullRelease
+    | PullReleaseAck
     | PushRegister
     | PushDone
     | PushCancel
@@ -191,6 +208,7 @@ _TYPES: dict[str, type] = {
         Ping,
         Pong,
         PullRelease,
+        PullReleaseAck,
         PushRegister,
         PushDone,
         PushCancel,

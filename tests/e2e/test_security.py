@@ -181,7 +181,7 @@ def test_third_party_on_the_side_channel_learns_nothing(pairs: Pairs) -> None:
         info = post_get(proc.url + "/kv_transfer/info")
         fake = wire.PeerInfo(
             "intruder", "intruder-agent", b"\x00" * 64, "tiny", "float32", 2, 2, 16, info["transfer_mode"],
-            wire.WIRE_VERSION, 0, 1, 16, 256, 0, "DRAM", 0, 1, "0",
+            wire.WIRE_VERSION, 0, 1, 16, 256, 0, "DRAM", 0, 1, "0", 1,
         )  # fmt: skip
         forged_seal = wire.Sealed("00" * 16, int(time.time() * 1000), "0" * 64, wire.encode(wire.Ping()))
         for msg in (wire.HandshakeRequest(fake, True), wire.Ping(), forged_seal):

@@ -93,6 +93,8 @@ def _child(
                 reply = keep, None if answer is None else encode(answer)
             elif cmd == "abort":
                 sched.on_recv_aborted(*args)
+            elif cmd == "release":  # P: the engine gives a finished request's pin up (abort, /kv_transfer/release)
+                sched.on_pin_released(*args)
             elif cmd == "abort_request":  # P: a request ended without finishing (Scheduler.finish, abort/error)
                 sched.on_request_aborted(*args)
             elif cmd == "results":

@@ -16,7 +16,7 @@ from pdserve.transfer.thread import handshake
 from pdserve.transfer.thread.handshake import SideChannel, SideChannelAuth
 
 SECRET = b"k" * 32
-SECRET_PONG = wire.Pong("engine-secret-id", "agent-secret-name")
+SECRET_PONG = wire.Pong("engine-secret-id", "agent-secret-name", 1)
 
 
 async def answer(msg: wire.Message) -> wire.Message:

@@ -11,7 +11,9 @@ from pdserve.transfer.wire import (
     HandshakeRequest,
     PeerInfo,
     Ping,
+    Pong,
     PullRelease,
+    PullReleaseAck,
     PushCancelAck,
     PushQueued,
     PushRegister,
@@ -29,14 +31,16 @@ def info(**kw) -> PeerInfo:
     v.update(kw)
     return PeerInfo(engine_id="e1", agent_name="a1", agent_metadata=b"\x00md", base_addr=1 << 40, num_blocks=16,
                     block_size=4, token_bytes=32, device_id=0, memory="DRAM", tp_rank=0, tp_size=1,
-                    compat_hash=compat_hash(v), **v)  # fmt: skip
+                    compat_hash=compat_hash(v), epoch=1_700_000_000_000_000_000, **v)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "msg",
     [
         Ping(),
-        PullRelease("r1", True, 123),
+        PullRelease("r1", True, 123, [4, 5]),
+        PullReleaseAck("r1", False, "the lease expired"),
+        Pong("e1", "a1", 7),
         PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0, 15000),
         PushQueued("t1", 2),
         PushCancelAck("t1", 0, 0, False),
@@ -58,7 +62,9 @@ def test_round_trip(msg):
         (msgpack.packb({"type": "Nope", "v": WIRE_VERSION}), "unknown message type"),
         (msgpack.packb({"type": "PullRelease", "v": WIRE_VERSION, "request_id": "r"}), "missing fields"),
         (
-            msgpack.packb({"type": "PullRelease", "v": WIRE_VERSION, "request_id": 1, "ok": True, "num_bytes": 1}),
+            msgpack.packb(
+                {"type": "PullRelease", "v": WIRE_VERSION, "request_id": 1, "ok": True, "num_bytes": 1, "block_ids": []}
+            ),
             "expected str",
         ),  # fmt: skip
         (
@@ -80,7 +86,9 @@ def test_round_trip(msg):
             "list of int",
         ),  # fmt: skip
         (
-            msgpack.packb({"type": "PullRelease", "v": WIRE_VERSION, "request_id": "r", "ok": 1, "num_bytes": 1}),
+            msgpack.packb(
+                {"type": "PullRelease", "v": WIRE_VERSION, "request_id": "r", "ok": 1, "num_bytes": 1, "block_ids": []}
+            ),
             "expected bool",
         ),  # fmt: skip
     ],

@@ -50,6 +50,10 @@ class SchedulerBase:
     def on_request_aborted(self, request_id: str) -> None:
         self._answers.pop(request_id, None)
 
+    def on_pin_released(self, request_id: str) -> None:
+        self._answers.pop(request_id, None)
+        self.meta.releases.append(request_id)
+
     def take_answer(self, request_id: str) -> KVAnswer | None:
         return self._answers.pop(request_id, None)
 

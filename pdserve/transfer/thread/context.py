@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import KVCacheSpec, StepMeta
 from pdserve.transfer.layout import BlockLayout
 from pdserve.transfer.staging import Stager
-from pdserve.transfer.thread.agent import NixlAgent
+from pdserve.transfer.thread.agent import AgentError, NixlAgent, Xfer
 from pdserve.transfer.thread.handshake import SideChannel
 from pdserve.transfer.thread.loop import TransferLoop
 from pdserve.transfer.thread.peers import Peers
@@ -32,6 +34,14 @@ class TransferContext:
     sink: ResultSink
     peers: Peers
     stager: Stager | None = None  # kv_buffer_device "cpu" with a CUDA cache: NIXL moves a host mirror (staging.py)
+
+    def post(
+        self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, notif: bytes = b"", remote_memory: str = ""
+    ) -> Xfer:
+        """NixlAgent.post(), or the AgentError a test's Faults.fail_posts asks for."""
+        if self.cfg.faults.fail_posts:
+            raise AgentError(f"post {op} to {peer}: failed (test fault)")
+        return self.agent.post(op, local, remote, peer, notif, remote_memory)
 
 
 class ModeCore(Protocol):

@@ -1,14 +1,21 @@
-"""Remote agents an instance talks to: handshakes (cached per address), loading metadata, liveness probes.
+"""Remote agents an instance talks to: handshakes (cached per address), loading metadata, liveness.
 
 Transfer thread only. Handshakes run on the side-channel thread; their replies come back here as posted
 commands, so the transfer thread never waits on the network.
+
+Liveness: every heartbeat_s each producer this instance handshook with (cached per address) is pinged on its
+side channel. A peer that refuses the connection, answers as another process (agent name or epoch differ:
+restarted at the same address) or stays silent for peer_timeout_s is dead: it is forgotten (the next request
+handshakes afresh, at no extra cost) and every on_dead callback runs, so the modes fail (or recompute) the
+requests waiting on it at once. A cached peer that restarts is so dropped before the next request uses it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pdserve.transfer.layout import BlockLayout
 from pdserve.transfer.thread.agent import AgentError, NixlAgent
@@ -28,6 +35,8 @@ PeerCallback = Callable[["Peer | None", "str | None"], None]  # (peer, error) â€
 class Peer:
     info: PeerInfo
     layout: BlockLayout  # where its KV cache is (addresses in its process)
+    alive_at: float = field(default_factory=time.monotonic)  # last handshake or Pong from this process
+    pinging: bool = False  # a heartbeat Ping is in flight
 
     @property
     def agent_name(self) -> str:
@@ -48,11 +57,22 @@ class Peers:
     """Owned by the transfer thread's context; uses the agent, this instance's handshake payload, the side
     channel (handshakes and probes, answered on its thread) and the loop (to bring answers back here)."""
 
-    def __init__(self, agent: NixlAgent, local: PeerInfo, side: SideChannel, loop: TransferLoop) -> None:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        local: PeerInfo,
+        side: SideChannel,
+        loop: TransferLoop,
+        heartbeat_s: float = 1.0,
+        peer_timeout_s: float = 4.0,
+    ) -> None:
         self.agent, self.local, self.side, self.loop = agent, local, side, loop
+        self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self._by_addr: dict[tuple[str, int], Peer] = {}  # producers we handshook with
         self._by_agent: dict[str, Peer] = {}  # every loaded remote agent
         self._waiting: dict[tuple[str, int], list[tuple[str | None, PeerCallback]]] = {}  # handshakes in flight
+        self.on_dead: list[Callable[[Peer], None]] = []  # the modes' reactions to a dead peer (transfer thread)
+        self._beating = False  # the heartbeat timer chain runs (while _by_addr is not empty)
 
     def by_agent(self, agent_name: str) -> Peer | None:
         return self._by_agent.get(agent_name)
@@ -103,8 +123,10 @@ class Peers:
             return None, str(e)
         old = self._by_addr.get(key)
         if old is not None and old.agent_name != peer.agent_name:
-            self.forget(old)
+            self._dead(old, f"{key[0]}:{key[1]} answers as another process (restarted)")
+        peer.alive_at = time.monotonic()
         self._by_addr[key] = peer
+        self._start_heartbeats()
         return peer, None
 
     # ---- incoming handshakes ----------------------------------------------------------------------------------------
@@ -132,15 +154,51 @@ class Peers:
         log.info("forgot peer %s (%s)", peer.engine_id, peer.agent_name)
 
     # ---- liveness -----------------------------------------------------------------------------------------------
+    def _start_heartbeats(self) -> None:
+        if not self._beating:
+            self._beating = True
+            self.loop.call_at(time.monotonic() + self.heartbeat_s, self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        """Ping every cached producer; declare dead those silent for peer_timeout_s."""
+        now = time.monotonic()
+        for key, peer in list(self._by_addr.items()):
+            if now - peer.alive_at > self.peer_timeout_s:
+                self._dead(peer, f"no answer on its side channel for {now - peer.alive_at:.1f} s")
+            elif not peer.pinging:
+                peer.pinging = True
+                self.probe(key[0], key[1], peer, self._beat_callback(peer))
+        self._beating = bool(self._by_addr)
+        if self._beating:
+            self.loop.call_at(now + self.heartbeat_s, self._heartbeat)
+
+    def _beat_callback(self, peer: Peer) -> Callable[[bool | None], None]:
+        return lambda alive: self._on_beat(peer, alive)
+
+    def _on_beat(self, peer: Peer, alive: bool | None) -> None:
+        peer.pinging = False
+        if alive:
+            peer.alive_at = time.monotonic()
+        elif alive is False and self._by_agent.get(peer.agent_name) is peer:
+            self._dead(peer, "its side channel refuses or another process answers there")
+
+    def _dead(self, peer: Peer, why: str) -> None:
+        if self._by_agent.get(peer.agent_name) is not peer:
+            return  # forgotten already
+        log.warning("peer %s (%s) is dead: %s", peer.engine_id, peer.agent_name, why)
+        self.forget(peer)
+        for callback in self.on_dead:
+            callback(peer)
+
     def probe(self, host: str, port: int, peer: Peer, callback: Callable[[bool | None], None]) -> None:
         """Is peer's agent still alive? callback(False) when its side channel refuses or another agent
         answers there (the process is gone), True when it answers, None when unknown (timeout)."""
 
         def on_reply(reply: Message | None, error: str | None) -> None:
             if isinstance(reply, Pong):
-                alive: bool | None = reply.agent_name == peer.agent_name
+                alive: bool | None = reply.agent_name == peer.agent_name and reply.epoch == peer.info.epoch
             else:
                 alive = False if error and REFUSED in error else None
             self.loop.post(lambda: callback(alive))
 
-        self.side.request(host, port, Ping(), PROBE_TIMEOUT_S, on_reply)
+        self.side.request(host, port, Ping(), min(PROBE_TIMEOUT_S, self.peer_timeout_s), on_reply)

@@ -31,6 +31,8 @@ class PushCore:
             self.send.on_send(s, now)
         for rid in meta.abandoned:
             self.send.on_abandon(rid)
+        for rid in meta.releases:
+            self.send.on_release(rid)
         for r in meta.recvs:
             self.recv.on_recv(r, now)
         for rid in meta.cancels:

@@ -15,6 +15,10 @@ Blocks a WRITE may still land in are never reported reusable. Once registered, a
 sends PushCancel and the recv ends only when, for every producer, P answered
 (PushCancelAck, PushDone or PushFail) or P is known dead (NIXL says disconnected, or P's side channel
 refuses or answers with another agent). A timed-out recv whose data landed after all is reported finished.
+
+The number of producers (PushDone to count) is P's tp_size from its handshake, never the request's params.
+Every wait ends: a silent P is declared dead by the heartbeats (peers.py) within peer_timeout_s, and a cancel
+P never answers is given up after recv_timeout_s (logged as an error: P is alive yet ignores us).
 """
 
 from __future__ import annotations
@@ -76,7 +80,13 @@ class _Wait:
     alive_at: float = 0.0  # time.monotonic() of the last sign of life (arrival, then P's PushQueued)
     num_queued: int = 0  # PushQueued notices received
     cancel_why: CancelWhy | None = None
+    cancel_at: float = 0.0  # time.monotonic() of the first PushCancel
     fail_reason: str = ""
+
+    @property
+    def num_producers(self) -> int:
+        """PushDone to count: P's tensor-parallel size as its handshake said (the request's params may lie)."""
+        return self.peer.info.tp_size if self.peer is not None else 1
 
     @property
     def key(self) -> tuple[str, int]:
@@ -88,6 +98,7 @@ class RecvSide:
         self.ctx = ctx
         self.waits: dict[str, _Wait] = {}  # request id -> wait
         self.by_key: dict[tuple[str, int], str] = {}  # (transfer id, attempt) -> request id
+        ctx.peers.on_dead.append(self._on_peer_dead)
 
     def on_recv(self, task: RecvTask, now: float) -> None:
         rid, remote = task.request_id, task.source
@@ -141,6 +152,10 @@ class RecvSide:
             log.debug("push: completion for unknown %s attempt %d", msg.transfer_id, msg.attempt)
             return
         rid, w = found
+        if not 0 <= msg.producer_rank < w.num_producers:
+            log.warning("push: completion from rank %d of a %d-rank producer; ignored", msg.producer_rank,
+                        w.num_producers)  # fmt: skip
+            return
         w.done_ranks.add(msg.producer_rank)
         w.num_bytes += msg.num_bytes
         self._maybe_over(rid, w)
@@ -157,17 +172,18 @@ class RecvSide:
         if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
             rid, w = found
             w.fail_reason = w.fail_reason or f"prefill instance refused: {msg.reason}"
-            w.over_ranks.update(range(w.remote.tp_size))  # P's ranks fail together
+            w.over_ranks.update(range(w.num_producers))  # P's ranks fail together
             self._maybe_over(rid, w)
 
     def on_ack(self, msg: PushCancelAck) -> None:
         if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
             rid, w = found
-            (w.done_ranks if msg.landed else w.over_ranks).add(msg.producer_rank)
+            if 0 <= msg.producer_rank < w.num_producers:
+                (w.done_ranks if msg.landed else w.over_ranks).add(msg.producer_rank)
             self._maybe_over(rid, w)
 
     def _maybe_over(self, rid: str, w: _Wait) -> None:
-        n = w.remote.tp_size
+        n = w.num_producers
         if w.state is WaitState.STAGING:
             return  # over already: the copy-in ends it
         if len(w.done_ranks) >= n and not w.over_ranks:
@@ -217,6 +233,7 @@ class RecvSide:
 
     def _start_cancel(self, rid: str, w: _Wait, why: CancelWhy, reason: str) -> None:
         w.state, w.cancel_why, w.fail_reason = WaitState.CANCELLING, why, reason
+        w.cancel_at = time.monotonic()
         self._send_cancel(rid, w)
 
     def _send_cancel(self, rid: str, w: _Wait) -> None:
@@ -242,6 +259,12 @@ class RecvSide:
         if alive is False:
             self._peer_dead(rid, w)
             return
+        if time.monotonic() - w.cancel_at > self.ctx.cfg.recv_timeout_s:
+            log.error("push: %s never answered the cancel of %s in %g s; giving its blocks up", w.remote.host,
+                      w.remote.transfer_id, self.ctx.cfg.recv_timeout_s)  # fmt: skip
+            w.fail_reason += "; the prefill instance never answered the cancel"
+            self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
+            return
         # alive or unknown, yet silent: P may have forgotten our agent (and cannot answer). Handshake again
         # (P loads us again), then ask again; the blocks stay held meanwhile.
         log.warning("push: no answer from %s to the cancel of %s; asking again", w.remote.host, w.remote.transfer_id)
@@ -254,6 +277,13 @@ class RecvSide:
             self._peer_dead(rid, w)  # another process answers there now: ours is gone
             return
         self._send_cancel(rid, w)
+
+    def _on_peer_dead(self, peer: Peer) -> None:
+        """Liveness: P is gone (or restarted): nothing more lands from it, nothing will answer."""
+        for rid, w in list(self.waits.items()):
+            if w.peer is not None and w.peer.agent_name == peer.agent_name and w.state is not WaitState.STAGING:
+                w.fail_reason = w.fail_reason or "waiting for the prefill instance"
+                self._peer_dead(rid, w)
 
     def _peer_dead(self, rid: str, w: _Wait) -> None:
         assert w.peer is not None

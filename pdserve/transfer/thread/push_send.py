@@ -137,6 +137,19 @@ class SendSide:
             self.ctx.sink.event(task.request_id, "registration_received", r.reg.received_at)
             self._write(r)
 
+    def on_release(self, request_id: str) -> None:
+        """The engine gives up this finished prefill's pin (abort, POST /kv_transfer/release): free it now, and
+        refuse D's registration; a WRITE in flight is let finish (it reads these blocks), then they are freed."""
+        for r in list(self.rv.values()):
+            if r.send is not None and r.send.request_id == request_id:
+                if r.writing:
+                    return
+                log.info("push: transfer %s released on the prefill instance (request %s)", r.transfer_id, request_id)
+                r.send = None
+                self.ctx.sink.send_finished(request_id, SendOutcome.FAILED)
+                self._done(r, -1, "the prefill instance released the KV (request aborted or its decode leg failed)")
+                return
+
     def _expire_send(self, tid: str, task: SendTask) -> None:
         r = self.rv.get(tid)
         if r is None or r.send is not task or r.writing:
@@ -252,7 +265,7 @@ class SendSide:
             else:
                 if self.ctx.stager is not None:  # KV cache -> host mirror, exactly the blocks this WRITE reads
                     self.ctx.stager.stage_out(send.block_ids, msg.start_token, msg.num_tokens)
-                r.xfer = self.ctx.agent.post("WRITE", local, remote, peer.agent_name, done, peer.info.memory)
+                r.xfer = self.ctx.post("WRITE", local, remote, peer.agent_name, done, peer.info.memory)
         except (AgentError, RuntimeError) as e:
             if isinstance(e, PeerGone):
                 self.ctx.peers.forget(peer)

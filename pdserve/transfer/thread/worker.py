@@ -17,6 +17,7 @@ from typing import Any
 
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import ConnectorWorker, KVCacheSpec, StepMeta, TransferResults, TransferStats
+from pdserve.transfer.faults import NO_FAULTS
 from pdserve.transfer.layout import BlockLayout
 from pdserve.transfer.staging import make_stager
 from pdserve.transfer.thread.agent import AgentError, NixlAgent
@@ -51,20 +52,36 @@ class _Dispatch:
         self.ctx, self.core = ctx, core
 
     def progress(self, now: float) -> bool:
+        faults = self.ctx.cfg.faults
         for sender, raw in self.ctx.agent.notifications():
             try:
                 msg = decode(raw)
             except WireError as e:
                 log.warning("dropping a malformed notification from %s: %s", sender, e)
                 continue
-            self.core.on_notif(sender, msg, now)
+            if faults is NO_FAULTS:
+                self.core.on_notif(sender, msg, now)
+            else:
+                self._faulty(sender, msg, now)
         return self.core.progress(now)
+
+    def _faulty(self, sender: str, msg: Message, now: float) -> None:
+        """A test's Faults: drop, duplicate or delay (so reorder) this notification."""
+        faults, name = self.ctx.cfg.faults, type(msg).__name__
+        if name in faults.drop_notifs:
+            log.info("test fault: dropped %s from %s", name, sender)
+        elif name in faults.delay_notifs:
+            self.ctx.thread.call_at(now + faults.notif_delay_s,
+                                    lambda: self.core.on_notif(sender, msg, time.monotonic()))  # fmt: skip
+        else:
+            for _ in range(2 if name in faults.duplicate_notifs else 1):
+                self.core.on_notif(sender, msg, now)
 
     def in_flight(self) -> bool:
         return self.core.in_flight()
 
 
-def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent) -> PeerInfo:
+def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent, epoch: int) -> PeerInfo:
     values: dict[str, Any] = dict(
         model_name=spec.model_name,
         dtype=spec.dtype,
@@ -87,6 +104,7 @@ def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent) ->
         tp_rank=spec.tp_rank,
         tp_size=spec.tp_size,
         compat_hash=compat_hash(values),
+        epoch=epoch,
         **values,
     )
 
@@ -102,6 +120,7 @@ class NixlWorker(ConnectorWorker):
         self.ctx: TransferContext | None = None
         self._core: ModeCore | None = None
         self._started = False
+        self.epoch = time.time_ns()  # PeerInfo.epoch: peers tell this process from a restarted one at our address
 
     def make_core(self, ctx: TransferContext) -> ModeCore:
         raise NotImplementedError
@@ -113,8 +132,8 @@ class NixlWorker(ConnectorWorker):
             kv_cache, spec = stager.mirror, stager.spec(spec)
         restrict_ucx(self.cfg.side_channel_host, self.cfg.net_devices)  # UCX reads it when the agent is created
         agent = NixlAgent(name, kv_cache, spec)
-        local = local_peer_info(self.cfg, spec, agent)
-        peers = Peers(agent, local, self.side, self.thread)
+        local = local_peer_info(self.cfg, spec, agent, self.epoch)
+        peers = Peers(agent, local, self.side, self.thread, self.cfg.heartbeat_s, self.cfg.peer_timeout_s)
         self.ctx = TransferContext(
             self.cfg, spec, BlockLayout.from_spec(spec), agent, local, self.side, self.thread, self.sink, peers, stager
         )
@@ -168,7 +187,7 @@ class NixlWorker(ConnectorWorker):
         if ctx is None:
             return HandshakeReply(False, None, "this instance has no KV cache registered yet")
         if isinstance(msg, Ping):
-            return Pong(ctx.local.engine_id, ctx.local.agent_name)
+            return Pong(ctx.local.engine_id, ctx.local.agent_name, ctx.local.epoch)
         if not isinstance(msg, HandshakeRequest):
             return HandshakeReply(False, None, f"unexpected side-channel message {type(msg).__name__}")
         err = incompatibility(ctx.local, msg.peer)
