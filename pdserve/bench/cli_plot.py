@@ -1,9 +1,11 @@
 """`pdserve plot`: a sweep's result JSONs -> a PNG per metric and one over the run, the push/pull ratio per
-point, and each point's median per quarter of the run (steady state: does the metric drift?)."""
+point, and each point's median per quarter of the run (steady state: does the metric drift?); with goodput
+SLOs in the results, SLO attainment against request rate per mode and the highest sustained rate."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -29,6 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as <name>_over_run.png (not for itl, which has many values per request)",
     )
     parser.add_argument("--title", default=None, help="figure title (default: derived)")
+    parser.add_argument(
+        "--goodput-threshold",
+        type=float,
+        default=90.0,
+        metavar="PERCENT",
+        help="when the results carry goodput SLOs (sweep --goodput): also write <results-dir>/attainment.png "
+        "(SLO attainment against request rate per mode, this threshold dashed) and print the highest rate each "
+        "mode sustains at >= this percent (default 90)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,4 +57,13 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         over_run = plot_over_run(points, args.metric, out.with_name(f"{out.stem}_over_run.png"))
         print(f"plot over the run written to {over_run}")
+    if any(p.has_goodput for p in points):
+        from pdserve.bench.goodput import max_goodput, max_goodput_lines, plot_attainment
+
+        threshold = args.goodput_threshold / 100.0
+        for line in max_goodput_lines(max_goodput(points, threshold), threshold):
+            print(line)
+        if any(not math.isinf(p.qps) for p in points if p.has_goodput):
+            path = plot_attainment(points, args.results_dir / "attainment.png", threshold)
+            print(f"attainment plot written to {path}")
     return 0

@@ -80,7 +80,7 @@ def test_colocated_dead_instance_is_502_naming_it(launcher: Launcher, instances:
 def test_colocated_disconnect_aborts_the_instance(launcher: Launcher, instances: list[Proc]) -> None:
     router = _colocated_router(launcher, [instances[1].url])
     request_id = f"gone-{uuid.uuid4().hex}"
-    body = {"prompt": PROMPTS[2], "max_tokens": 150, "ignore_eos": True, "stream": True}
+    body = {"prompt": PROMPTS[1], "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream(
         "POST", router.url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=60
     ) as r:
