@@ -118,9 +118,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--num-threads", type=int, default=None, help="torch threads per server")
     server.add_argument("--max-model-len", type=int, default=None, help="server --max-model-len")
     server.add_argument("--device", default=None, help="cpu or cuda")
-    server.add_argument("--prefill-gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of prefill")
-    server.add_argument("--decode-gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of decode")
+    server.add_argument(
+        "--prefill-gpu",
+        type=int,
+        default=None,
+        help="CUDA_VISIBLE_DEVICES of prefill (colocated: of the first instance)",
+    )
+    server.add_argument(
+        "--decode-gpu",
+        type=int,
+        default=None,
+        help="CUDA_VISIBLE_DEVICES of decode (colocated: of the second instance)",
+    )
     server.add_argument("--server-arg", action="append", default=[], help="extra flag for both servers (repeat)")
+    server.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra `pdserve proxy` flag for the pull and push routers (repeat), e.g. "
+        "--router-arg=--colocate-below=256 "
+        "to measure selective disaggregation",
+    )
 
 
 def parse_attach(items: list[str]) -> dict[str, Endpoints]:
@@ -173,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         goodput=tuple(args.goodput),
         find_max_goodput=args.find_max_goodput,
         goodput_threshold=args.goodput_threshold / 100.0,
+        router_args=tuple(args.router_arg),
     )
 
 

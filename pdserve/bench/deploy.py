@@ -65,6 +65,7 @@ class Deployment:
     decode_url: str = ""
     router_url: str = ""
     instance_urls: list[str] = field(default_factory=list)  # colocated: the `--kv-role both` instances
+    router_args: tuple[str, ...] = ()  # appended verbatim to the router's command line
 
     def _serve_argv(self, role: str, port: int, side_port: int) -> list[str]:
         argv = [self.python, "-m", "pdserve.cli", "serve", self.options.model, "--host", self.host, "--port", str(port)]
@@ -105,6 +106,7 @@ class Deployment:
             decode.wait_healthy(self.decode_url + "/health", self.startup_timeout_s)
             router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", self.mode]
             router_argv += ["--port", str(r_port), "--prefill", self.prefill_url, "--decode", self.decode_url]
+            router_argv += list(self.router_args)
             router = ManagedProcess("router", router_argv, logs / f"{self.mode}_router.log")
             self.procs.append(router)
             router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)
@@ -126,7 +128,7 @@ class Deployment:
             for proc, url in zip(self.procs, self.instance_urls, strict=True):
                 proc.wait_healthy(url + "/health", self.startup_timeout_s)
             router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", "colocated"]
-            router_argv += ["--port", str(ports[-1]), "--instance", *self.instance_urls]
+            router_argv += ["--port", str(ports[-1]), "--instance", *self.instance_urls, *self.router_args]
             router = ManagedProcess("router", router_argv, self.log_dir / f"{self.mode}_router.log")
             self.procs.append(router)
             router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)

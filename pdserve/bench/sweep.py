@@ -70,6 +70,7 @@ class SweepConfig:
     goodput: tuple[str, ...] = ()  # SLOs as `pdserve bench --goodput` takes them: ("ttft:1000", "tpot:25")
     find_max_goodput: bool = False  # climb the rates per mode until attainment < goodput_threshold
     goodput_threshold: float = 0.9  # SLO attainment (fraction) a rate must reach to count as sustained
+    router_args: tuple[str, ...] = ()  # extra `pdserve proxy` flags for the routers of the pull/push modes
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -196,7 +197,11 @@ class Sweep:
         self.log(f"[{mode}] starting {parts} + router ({self.cfg.server.model})")
         start = time.monotonic()
         deployment = Deployment(
-            self.cfg.server, mode, self.cfg.results_dir / "servers", startup_timeout_s=self.cfg.startup_timeout_s
+            self.cfg.server,
+            mode,
+            self.cfg.results_dir / "servers",
+            startup_timeout_s=self.cfg.startup_timeout_s,
+            router_args=() if mode == "colocated" else self.cfg.router_args,
         )
         stack.enter_context(deployment)
         self.log(f"[{mode}] healthy after {time.monotonic() - start:.1f} s: router {deployment.router_url}")
