@@ -186,8 +186,8 @@ def summary_rows(
                 row.append(_ratio(values["push"], values["pull"]))
         if with_goodput:
             for mode in modes_present:
-                p = modes.get(mode)
-                row += [_fmt2(p.goodput()), _fmt(100 * p.attainment())] if p else ["-", "-"]
+                got = modes.get(mode)
+                row += [_fmt2(got.goodput()), _fmt(100 * got.attainment())] if got else ["-", "-"]
         if drift_metric:
             for mode in modes_present:
                 if mode in modes:
