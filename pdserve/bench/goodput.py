@@ -83,11 +83,13 @@ def max_goodput_lines(results: Sequence[MaxGoodput], threshold: float = DEFAULT_
         lines.append(f"  in {r.input_len} out {r.output_len} {r.mode}: {text}")
     for (input_len, output_len), modes in sorted(by_shape.items()):
         coloc = modes.get("colocated")
-        if coloc is None or not coloc.max_qps:
+        coloc_qps = coloc.max_qps if coloc else None
+        if not coloc_qps:
             continue
         for mode in ("push", "pull"):
-            if mode in modes and modes[mode].max_qps:
-                ratio = modes[mode].max_qps / coloc.max_qps  # type: ignore[operator]
+            mode_qps = modes[mode].max_qps if mode in modes else None
+            if mode_qps:
+                ratio = mode_qps / coloc_qps
                 lines.append(f"  in {input_len} out {output_len}: max rate {mode} / colocated {ratio:.2f}")
     return lines
 
