@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.plot import MODE_COLORS, Point, modes_in
+from pdserve.bench.plot import MODE_COLORS, Point, modes_in, per_request_ms
 
 DEFAULT_THRESHOLD = 0.9  # SLO attainment a rate must reach to count as sustained
 
@@ -31,6 +31,31 @@ class MaxGoodput:
     attainment: float | None  # SLO attainment (fraction) at max_qps
     first_failed_qps: float | None  # the rate that ended the climb; None when every rate run passed
     rates: list[tuple[float, float]]  # (qps, attainment) of every rate run, ascending
+
+
+def score(result: dict[str, Any], slos_ms: dict[str, float]) -> dict[str, Any]:
+    """A bench result's goodput keys recomputed from its per-request lists at other SLOs (ms), with the same
+    rules as `calculate_metrics`: a failed request misses, a one-token request's TPOT counts as 0."""
+    ttft, tpot, e2el = (per_request_ms(result, m) for m in ("ttft", "tpot", "e2el"))
+    num_good = 0
+    for i, first in enumerate(ttft):
+        if first is None:
+            continue  # failed
+        values = {"ttft": first, "tpot": tpot[i] or 0.0, "e2el": e2el[i]}
+        if all((values[name] or 0.0) <= slo for name, slo in slos_ms.items()):
+            num_good += 1
+    return {
+        "goodput_slos_ms": dict(slos_ms),
+        "request_goodput": num_good / result["duration"],
+        "slo_attainment": num_good / len(ttft) if ttft else None,
+    }
+
+
+def rescore(points: Sequence[Point], slos_ms: dict[str, float]) -> list[Point]:
+    """`points` with every result's goodput keys recomputed at `slos_ms` (the saved files are not changed)."""
+    return [
+        Point(p.mode, p.qps, p.input_len, p.output_len, [{**r, **score(r, slos_ms)} for r in p.results]) for p in points
+    ]
 
 
 def max_goodput(points: Sequence[Point], threshold: float = DEFAULT_THRESHOLD) -> list[MaxGoodput]:

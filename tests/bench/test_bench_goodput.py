@@ -13,7 +13,7 @@ import pytest
 from pdserve.bench import cli_plot
 from pdserve.bench.client import RequestOutput
 from pdserve.bench.deploy import ServerOptions
-from pdserve.bench.goodput import max_goodput, max_goodput_lines
+from pdserve.bench.goodput import max_goodput, max_goodput_lines, rescore
 from pdserve.bench.metrics import calculate_metrics, format_summary, parse_goodput
 from pdserve.bench.plot import load_results, summary_rows
 from pdserve.bench.sweep import Sweep, SweepConfig, point_stem, pooled_attainment
@@ -80,6 +80,18 @@ def test_max_goodput_per_mode(tmp_path: Path) -> None:
         assert column in table
 
 
+def test_rescore_at_other_slos(tmp_path: Path) -> None:
+    _write_search(tmp_path)
+    points = load_results([tmp_path])
+    same = rescore(points, {"ttft": 1000.0})
+    for before, after in zip(points, same, strict=True):
+        assert after.attainment() == pytest.approx(before.attainment())
+        assert after.goodput() == pytest.approx(before.goodput())
+    loose = rescore(points, {"ttft": 6000.0, "tpot": 10.5})  # every TTFT (<= 5 s) and TPOT (10 ms) within
+    assert all(p.attainment() == pytest.approx(1.0) for p in loose)
+    assert all(p.attainment() == 0.0 for p in rescore(points, {"tpot": 9.0}))
+
+
 def test_plot_writes_attainment_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _write_search(tmp_path)
     parser = argparse.ArgumentParser()
@@ -87,6 +99,10 @@ def test_plot_writes_attainment_png(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert cli_plot.run(parser.parse_args(["--results-dir", str(tmp_path), "--metric", "ttft"])) == 0
     assert (tmp_path / "attainment.png").read_bytes()[:8] == PNG_MAGIC
     assert "pull: 2 req/s" in capsys.readouterr().out
+    argv = ["--results-dir", str(tmp_path), "--goodput", "ttft:6000"]
+    assert cli_plot.run(parser.parse_args(argv)) == 0
+    assert (tmp_path / "attainment_ttft6000.png").read_bytes()[:8] == PNG_MAGIC
+    assert "pull: 4 req/s" in capsys.readouterr().out
 
 
 def test_sweep_search_skips_rates_above_a_failure(tmp_path: Path) -> None:
