@@ -135,7 +135,7 @@ def plot_attainment(points: Sequence[Point], out: Path, threshold: float = DEFAU
     if not with_slo:
         raise ValueError("no result with goodput SLOs to plot")
     shapes = sorted({(p.input_len, p.output_len) for p in with_slo})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4.6 * len(shapes) + 0.8, 3.8), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.6 * len(shapes) + 1.4, 4.0), squeeze=False, sharey=True)
     for ax, (input_len, output_len) in zip(axes[0], shapes, strict=True):
         for mode in modes_in(with_slo):
             line = sorted(
@@ -154,7 +154,7 @@ def plot_attainment(points: Sequence[Point], out: Path, threshold: float = DEFAU
     axes[0][-1].legend()
     slos = next((r.get("goodput_slos_ms") for p in with_slo for r in p.results if r.get("goodput_slos_ms")), None)
     slo_text = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in (slos or {}).items())
-    fig.suptitle(f"SLO attainment against request rate ({slo_text}; dashed: {threshold:.0%})")
+    fig.suptitle(f"SLO attainment against request rate\n{slo_text}; dashed: {threshold:.0%}", fontsize="medium")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
