@@ -91,11 +91,12 @@ def test_colocated_disconnect_aborts_the_instance(launcher: Launcher, instances:
     assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"]
 
 
-def test_short_prompts_skip_prefill(launcher: Launcher, tiny_llama: Path, instances: list[Proc]) -> None:
-    p = launcher.serve(tiny_llama, "--kv-role", "prefill", "--kv-transfer", "pull", name="P")
-    d = launcher.serve(tiny_llama, "--kv-role", "decode", "--kv-transfer", "pull", name="D")
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_short_prompts_skip_prefill(launcher: Launcher, tiny_llama: Path, instances: list[Proc], mode: str) -> None:
+    p = launcher.serve(tiny_llama, "--kv-role", "prefill", "--kv-transfer", mode, name=f"P-{mode}")
+    d = launcher.serve(tiny_llama, "--kv-role", "decode", "--kv-transfer", mode, name=f"D-{mode}")
     launcher.wait_ready()
-    router = launcher.proxy("pull", [p], [d], "--colocate-below", "8", name="router-selective")
+    router = launcher.proxy(mode, [p], [d], "--colocate-below", "8", name=f"router-selective-{mode}")
     launcher.wait_ready()
     short, long = f"short-{uuid.uuid4().hex}", f"long-{uuid.uuid4().hex}"
     for prompt, rid in ((PROMPTS[0], short), (PROMPTS[2], long)):  # ~1 and ~28 estimated tokens
@@ -105,6 +106,8 @@ def test_short_prompts_skip_prefill(launcher: Launcher, tiny_llama: Path, instan
     assert short not in _timeline_ids(p) and short in _timeline_ids(d)
     assert long in _timeline_ids(p) and long in _timeline_ids(d)
     log = router.log_text()
-    assert f"request {short} mode=pull route=whole prefill=None" in log
-    assert f"request {long} mode=pull route=split" in log
+    assert f"request {short} mode={mode} route=whole prefill=None" in log
+    assert f"request {long} mode={mode} route=split" in log
     assert "whole_total=2" in log
+    for proc in (router, d, p):  # free the cores for the next deployment
+        proc.stop()
