@@ -1,4 +1,4 @@
-"""One client request split into a prefill leg and a decode leg (pull, push), or sent whole (colocated).
+"""One client request split into a prefill leg and a decode leg, in pull or push mode (docs/architecture.md).
 
 pull: P answers first (max_tokens=1, do_remote_decode) with its KV coordinates; D then gets the original
       body plus those coordinates, and D's answer (streamed or not) goes back to the client. P's params
@@ -7,6 +7,7 @@ push: P and D are chosen at arrival and both legs leave at once with one fresh t
       kv_transfer_params carry P's coordinates from P's GET /kv_transfer/info (cached per P URL). If P's leg
       fails, D's leg is cancelled and the client gets a 502 naming the prefill leg.
 
+Or not split:
 colocated: the whole request goes to one `--kv-role both` instance of the pool, chosen by the policy; its
       answer (streamed or not) goes back as is. A failure is a 502 naming the instance.
 selective disaggregation (pull, push with `colocate_below`): a request whose estimated prompt
