@@ -10,9 +10,12 @@ import sys
 SUBCOMMANDS = {
     "generate": ("pdserve.engine.cli", "offline greedy/sampled generation with the engine"),
     "serve": ("pdserve.server.cli", "run one engine instance behind an OpenAI-compatible HTTP API"),
-    "proxy": ("pdserve.router.cli", "run the P/D router in front of prefill and decode instances"),
+    "proxy": ("pdserve.router.cli", "run the P/D router (or, colocated, a load balancer) in front of instances"),
     "bench": ("pdserve.bench.cli_bench", "load-test any OpenAI-compatible server"),
-    "sweep": ("pdserve.bench.cli_sweep", "run a push-vs-pull sweep over request rates and input lengths"),
+    "sweep": (
+        "pdserve.bench.cli_sweep",
+        "run a push vs pull (vs colocated) sweep over request rates and input lengths, with goodput at SLOs",
+    ),
     "plot": ("pdserve.bench.cli_plot", "plot a sweep's results"),
     "timeline": ("pdserve.bench.cli_timeline", "draw per-request timelines from server timestamps"),
     "demo": ("pdserve.demo", "1P1D + router on the built-in model, a push-vs-pull comparison and plots"),

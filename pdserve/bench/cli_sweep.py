@@ -1,8 +1,10 @@
-"""`pdserve sweep`: push vs pull over request rates x input lengths, one result JSON per point."""
+"""`pdserve sweep`: push vs pull (vs colocated) over request rates x input lengths, one result JSON per point;
+with `--find-max-goodput`, the highest rate each mode sustains within its SLOs."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from collections.abc import Iterator
@@ -10,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve.bench.deploy import ServerOptions
-from pdserve.bench.sweep import MODES, Endpoints, Sweep, SweepConfig, summary_table
+from pdserve.bench.sweep import DEFAULT_MODES, MODES, Endpoints, Sweep, SweepConfig, summary_table
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -31,7 +33,14 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="model the servers load (not needed with --attach)")
-    parser.add_argument("--modes", type=_modes, default=MODES, help="comma-separated: push,pull")
+    parser.add_argument(
+        "--modes",
+        type=_modes,
+        default=DEFAULT_MODES,
+        help="comma-separated, of push,pull,colocated (default push,pull). colocated: as many `--kv-role both` "
+        "instances as 1P1D uses devices (two; with --prefill-gpu/--decode-gpu one on each GPU, same server flags "
+        "otherwise) behind `pdserve proxy --mode colocated`",
+    )
     parser.add_argument("--qps", type=_floats, default=(1.0,), help="comma-separated request rates; inf allowed")
     parser.add_argument("--input-lens", type=_ints, default=(512,), help="comma-separated prompt lengths")
     parser.add_argument("--output-lens", type=_ints, default=(64,), help="comma-separated output lengths")
@@ -76,6 +85,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every mode's deployment at once and alternate modes point by point (fairer on a busy machine)",
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    good = parser.add_argument_group("goodput: requests served within latency targets")
+    good.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="SLO:MS",
+        help="latency targets in ms, as `vllm bench serve --goodput` takes them, any of ttft, tpot, e2el "
+        "(e.g. ttft:1000 tpot:25); every point's JSON then has request_goodput (req/s of successful requests "
+        "within every target) and slo_attainment (the fraction of all requests sent within every target), and "
+        "the summary table shows both per mode",
+    )
+    good.add_argument(
+        "--find-max-goodput",
+        action="store_true",
+        help="search, per mode and (input, output), for the highest request rate sustained within --goodput: the "
+        "--qps rates are run in increasing order and a mode stops after the first rate whose SLO attainment "
+        "(pooled over --iterations) is below --goodput-threshold; prints the highest sustained rate per mode, "
+        "writes <results-dir>/max_goodput.json and attainment.png (attainment against rate per mode)",
+    )
+    good.add_argument(
+        "--goodput-threshold",
+        type=float,
+        default=90.0,
+        metavar="PERCENT",
+        help="SLO attainment (percent of requests) a rate needs to count as sustained (default 90)",
+    )
     server = parser.add_argument_group("servers started by the sweep (passed to `pdserve serve`)")
     server.add_argument("--dtype", default=None, help="server --dtype")
     server.add_argument("--load-format", default=None, help="server --load-format (dummy: random weights)")
@@ -83,9 +118,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--num-threads", type=int, default=None, help="torch threads per server")
     server.add_argument("--max-model-len", type=int, default=None, help="server --max-model-len")
     server.add_argument("--device", default=None, help="cpu or cuda")
-    server.add_argument("--prefill-gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of prefill")
-    server.add_argument("--decode-gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of decode")
+    server.add_argument(
+        "--prefill-gpu",
+        type=int,
+        default=None,
+        help="CUDA_VISIBLE_DEVICES of prefill (colocated: of the first instance)",
+    )
+    server.add_argument(
+        "--decode-gpu",
+        type=int,
+        default=None,
+        help="CUDA_VISIBLE_DEVICES of decode (colocated: of the second instance)",
+    )
     server.add_argument("--server-arg", action="append", default=[], help="extra flag for both servers (repeat)")
+    server.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra `pdserve proxy` flag for the pull and push routers (repeat), e.g. "
+        "--router-arg=--colocate-below=256 "
+        "to measure selective disaggregation",
+    )
 
 
 def parse_attach(items: list[str]) -> dict[str, Endpoints]:
@@ -135,6 +188,10 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         save_timeline=args.save_timeline,
         interleave=args.interleave,
         startup_timeout_s=args.startup_timeout,
+        goodput=tuple(args.goodput),
+        find_max_goodput=args.find_max_goodput,
+        goodput_threshold=args.goodput_threshold / 100.0,
+        router_args=tuple(args.router_arg),
     )
 
 
@@ -170,4 +227,22 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(summary_table(paths))
     print(f"{len(paths)} results in {cfg.results_dir}")
+    if cfg.find_max_goodput:
+        report_max_goodput(paths, cfg)
     return 0
+
+
+def report_max_goodput(paths: list[Path], cfg: SweepConfig) -> None:
+    """Print the highest sustained rate per mode; write max_goodput.json and attainment.png beside the results."""
+    from pdserve.bench.goodput import as_json, max_goodput, max_goodput_lines, plot_attainment
+    from pdserve.bench.metrics import parse_goodput
+    from pdserve.bench.plot import load_results
+
+    points = load_results(paths)
+    results = max_goodput(points, cfg.goodput_threshold)
+    for line in max_goodput_lines(results, cfg.goodput_threshold):
+        print(line)
+    summary = as_json(results, cfg.goodput_threshold, parse_goodput(cfg.goodput))
+    (cfg.results_dir / "max_goodput.json").write_text(json.dumps(summary, indent=1))
+    if results:
+        print(f"plot written to {plot_attainment(points, cfg.results_dir / 'attainment.png', cfg.goodput_threshold)}")

@@ -1,8 +1,12 @@
 """A 1P1D deployment + router on this machine, started as subprocesses and always torn down.
 
-Startup order: prefill and decode together (they load the model in parallel), wait for both /health, then
-the router, wait for its /health. Shutdown order (the reverse): router, decode, prefill — so no request is
-routed to an instance that is already gone. `Deployment` is a context manager; leaving the block by
+Colocated mode starts as many `--kv-role both` instances as 1P1D uses devices (two: the first where prefill
+would run, on --prefill-gpu, the second on --decode-gpu; same server flags otherwise) behind a
+`pdserve proxy --mode colocated` router.
+
+Startup order: prefill and decode (or both instances) together (they load the model in parallel), wait for
+every /health, then the router, wait for its /health. Shutdown order (the reverse): router, decode, prefill
+— so no request is routed to an instance that is already gone. `Deployment` is a context manager; leaving the block by
 return, exception or Ctrl-C stops every process it started.
 
 Each deployment gets its own deployment secret (auth.new_secret), written to <log_dir>/<mode>_kv_auth_secret
@@ -53,11 +57,12 @@ class ServerOptions:
 
 @dataclass
 class Deployment:
-    """1 prefill + 1 decode + router for one transfer mode, on loopback ports chosen when started."""
+    """1 prefill + 1 decode + router for one transfer mode (or, colocated, two `--kv-role both` instances +
+    router), on loopback ports chosen when started."""
 
     options: ServerOptions
-    mode: str  # "push" or "pull"
-    log_dir: Path  # <log_dir>/<mode>_{prefill,decode,router}.log
+    mode: str  # "push", "pull" or "colocated"
+    log_dir: Path  # <log_dir>/<mode>_{prefill,decode,router}.log; colocated: <mode>_instance{0,1}.log
     host: str = "127.0.0.1"
     startup_timeout_s: float = 600.0
     python: str = sys.executable
@@ -66,6 +71,8 @@ class Deployment:
     decode_url: str = ""
     router_url: str = ""
     secret_file: Path | None = None  # this deployment's secret (written by start())
+    instance_urls: list[str] = field(default_factory=list)  # colocated: the `--kv-role both` instances
+    router_args: tuple[str, ...] = ()  # appended verbatim to the router's command line
 
     def _write_secret(self) -> Path:
         path = self.log_dir / f"{self.mode}_kv_auth_secret"
@@ -81,6 +88,8 @@ class Deployment:
 
     def _serve_argv(self, role: str, port: int, side_port: int) -> list[str]:
         argv = [self.python, "-m", "pdserve.cli", "serve", self.options.model, "--host", self.host, "--port", str(port)]
+        if role == "both":
+            return argv + ["--kv-role", "both"] + self.options.server_flags()
         argv += ["--kv-role", role, "--kv-transfer", self.mode, "--kv-side-channel-port", str(side_port)]
         if role == "decode":
             argv.append("--no-enable-prefix-caching")  # as in the reference runs: D never shortcuts a transfer
@@ -90,6 +99,8 @@ class Deployment:
         return None if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}
 
     def start(self) -> Deployment:
+        if self.mode == "colocated":
+            return self._start_colocated()
         p_port, d_port, p_side, d_side, r_port = free_ports(5, self.host)
         self.prefill_url = f"http://{self.host}:{p_port}"
         self.decode_url = f"http://{self.host}:{d_port}"
@@ -116,7 +127,30 @@ class Deployment:
             router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", self.mode]
             router_argv += ["--port", str(r_port), "--prefill", self.prefill_url, "--decode", self.decode_url]
             router_argv += self._auth_flags()
+            router_argv += list(self.router_args)
             router = ManagedProcess("router", router_argv, logs / f"{self.mode}_router.log")
+            self.procs.append(router)
+            router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_colocated(self) -> Deployment:
+        ports = free_ports(3, self.host)
+        self.router_url = f"http://{self.host}:{ports[-1]}"
+        self.instance_urls = [f"http://{self.host}:{port}" for port in ports[:2]]
+        try:
+            gpus = (self.options.prefill_gpu, self.options.decode_gpu)  # the devices 1P1D would use
+            for i, (port, gpu) in enumerate(zip(ports[:2], gpus, strict=True)):
+                argv = self._serve_argv("both", port, 0)
+                log_path = self.log_dir / f"{self.mode}_instance{i}.log"
+                self.procs.append(ManagedProcess(f"instance{i}", argv, log_path, self._gpu_env(gpu)))
+            for proc, url in zip(self.procs, self.instance_urls, strict=True):
+                proc.wait_healthy(url + "/health", self.startup_timeout_s)
+            router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", "colocated"]
+            router_argv += ["--port", str(ports[-1]), "--instance", *self.instance_urls, *self.router_args]
+            router = ManagedProcess("router", router_argv, self.log_dir / f"{self.mode}_router.log")
             self.procs.append(router)
             router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)
         except BaseException:

@@ -2,6 +2,9 @@
 
 - TPOT of a request = (latency - TTFT) / (output tokens - 1), only for requests with more than one token;
   for goodput a one-token request counts as TPOT 0.
+- Goodput (given SLOs in ms for any of ttft, tpot, e2el): `request_goodput` = successful requests meeting every
+  SLO / duration, as vLLM; pdserve adds `slo_attainment` = those requests / all requests sent (a failed request
+  misses its SLO), a fraction in [0, 1]. Both None without SLOs.
 - ITL statistics pool every gap of every successful request.
 - Statistics are numpy mean / median / std / percentile (linear interpolation), reported in ms, of the
   successful requests; all zero when none succeeded.
@@ -128,6 +131,7 @@ def calculate_metrics(
         "total_output_tokens": total_output,
         "request_throughput": len(ok) / duration,
         "request_goodput": num_good / duration if goodput else None,
+        "slo_attainment": num_good / len(outputs) if goodput and outputs else None,
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
         "input_lens": [o.prompt_len for o in outputs],
@@ -177,6 +181,8 @@ def format_summary(result: dict[str, Any], percentiles: Sequence[float] = DEFAUL
     lines.append(row.format("Request throughput (req/s):", f"{result['request_throughput']:.2f}"))
     if result.get("request_goodput") is not None:
         lines.append(row.format("Request goodput (req/s):", f"{result['request_goodput']:.2f}"))
+    if result.get("slo_attainment") is not None:
+        lines.append(row.format("SLO attainment (%):", f"{100 * result['slo_attainment']:.1f}"))
     lines.append(row.format("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}"))
     lines.append(row.format("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}"))
     for key, label, header in METRICS:

@@ -1,4 +1,4 @@
-"""Sweep results -> plots and push/pull tables.
+"""Sweep results -> plots and tables of the modes side by side (push, pull, colocated).
 
 Per grid point (mode, qps, input length, output length) the iterations are pooled: the statistics below are
 taken over every successful request of every iteration, from the per-request lists of the result JSONs.
@@ -22,7 +22,8 @@ from pdserve.bench.metrics import NUM_QUARTERS, drift_ratio, split_quarters
 
 METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 PER_REQUEST_METRICS = ("ttft", "tpot", "e2el")  # one value per request (ITL has many), so plottable over the run
-MODE_COLORS = {"push": "tab:orange", "pull": "tab:blue"}
+MODE_COLORS = {"push": "tab:orange", "pull": "tab:blue", "colocated": "tab:green"}
+MODE_ORDER = ("push", "pull", "colocated")  # column order in tables; other modes follow alphabetically
 
 
 @dataclass
@@ -66,6 +67,21 @@ class Point:
     def stat(self, metric: str, q: float = 50.0) -> float:
         values = self.values_ms(metric)
         return float(np.percentile(values, q)) if values else math.nan
+
+    @property
+    def has_goodput(self) -> bool:
+        return any(r.get("slo_attainment") is not None for r in self.results)
+
+    def attainment(self) -> float:
+        """SLO attainment pooled over the iterations (fraction of all requests within every SLO); nan without SLOs."""
+        runs = [(r["slo_attainment"], len(r["ttfts"])) for r in self.results if r.get("slo_attainment") is not None]
+        total = sum(n for _, n in runs)
+        return sum(a * n for a, n in runs) / total if total else math.nan
+
+    def goodput(self) -> float:
+        """Mean request goodput (req/s) over the iterations; nan without SLOs."""
+        values = [r["request_goodput"] for r in self.results if r.get("request_goodput") is not None]
+        return float(np.mean(values)) if values else math.nan
 
     @property
     def num_failed(self) -> int:
@@ -119,6 +135,10 @@ def _fmt(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"
 
 
+def _fmt2(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"
+
+
 def _ratio(a: float, b: float) -> str:
     return "-" if math.isnan(a) or math.isnan(b) or b == 0 else f"{a / b:.2f}"
 
@@ -128,18 +148,30 @@ def _fmt_quarters(quarters: Sequence[float]) -> str:
     return "/".join("-" if math.isnan(q) else f"{q:.1f}" if q < 10 else f"{q:.0f}" for q in quarters)
 
 
+def modes_in(points: Sequence[Point]) -> list[str]:
+    """The modes of `points` in table order: push, pull, colocated, then any other alphabetically."""
+    found = {p.mode for p in points}
+    return [m for m in MODE_ORDER if m in found] + sorted(found - set(MODE_ORDER))
+
+
 def summary_rows(
     points: Sequence[Point], metrics: Sequence[str] = ("ttft", "tpot"), drift_metric: str | None = "ttft"
 ) -> str:
-    """A text table: one row per (qps, input, output); per metric push and pull medians (ms) and push/pull;
-    then, per mode, `drift_metric`'s median per quarter of the run and its drift (last / first quarter)."""
+    """A text table: one row per (qps, input, output); per metric each mode's median (ms) and push/pull (when
+    both ran); with SLOs each mode's goodput (req/s) and SLO attainment (%); then, per mode, `drift_metric`'s
+    median per quarter of the run and its drift (last / first quarter)."""
     by_key: dict[tuple, dict[str, Point]] = defaultdict(dict)
     for p in points:
         by_key[(p.qps, p.input_len, p.output_len)][p.mode] = p
-    modes_present = [m for m in ("push", "pull") if any(p.mode == m for p in points)]
+    modes_present = modes_in(points)
+    both = "push" in modes_present and "pull" in modes_present
+    with_goodput = any(p.has_goodput for p in points)
     header = ["qps", "input", "output"]
     for m in metrics:
-        header += [f"push {METRIC_NAMES[m]}", f"pull {METRIC_NAMES[m]}", "push/pull"]
+        header += [f"{mode} {METRIC_NAMES[m]}" for mode in modes_present] + (["push/pull"] if both else [])
+    if with_goodput:
+        for mode in modes_present:
+            header += [f"{mode} goodput", f"{mode} SLO%"]
     if drift_metric:
         for mode in modes_present:
             header += [f"{mode} {METRIC_NAMES[drift_metric]} q1/q2/q3/q4", f"{mode} drift"]
@@ -148,9 +180,14 @@ def summary_rows(
     for (qps, input_len, output_len), modes in sorted(by_key.items()):
         row = [f"{qps:g}", str(input_len), str(output_len)]
         for m in metrics:
-            push = modes["push"].stat(m) if "push" in modes else math.nan
-            pull = modes["pull"].stat(m) if "pull" in modes else math.nan
-            row += [_fmt(push), _fmt(pull), _ratio(push, pull)]
+            values = {mode: modes[mode].stat(m) if mode in modes else math.nan for mode in modes_present}
+            row += [_fmt(values[mode]) for mode in modes_present]
+            if both:
+                row.append(_ratio(values["push"], values["pull"]))
+        if with_goodput:
+            for mode in modes_present:
+                got = modes.get(mode)
+                row += [_fmt2(got.goodput()), _fmt(100 * got.attainment())] if got else ["-", "-"]
         if drift_metric:
             for mode in modes_present:
                 if mode in modes:
@@ -164,6 +201,8 @@ def summary_rows(
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     note = "median ms over all requests of all iterations"
+    if with_goodput:
+        note += "; goodput: req/s within every SLO (mean of iterations), SLO%: share of all requests within them"
     if drift_metric:
         note += "; q1..q4: median per quarter of the run by arrival, drift = q4/q1"
     return note + "\n" + "\n".join(lines)
@@ -185,7 +224,7 @@ def plot_metric(points: Sequence[Point], metric: str, out: Path, title: str | No
     styles = ["-", "--", ":", "-."]
     fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates) + 0.8, 3.8), squeeze=False, sharey=True)
     for ax, qps in zip(axes[0], rates, strict=True):
-        for mode in sorted({p.mode for p in points}):
+        for mode in modes_in(points):
             for k, output_len in enumerate(output_lens):
                 line = sorted(
                     (p for p in points if p.qps == qps and p.mode == mode and p.output_len == output_len),
@@ -207,7 +246,7 @@ def plot_metric(points: Sequence[Point], metric: str, out: Path, title: str | No
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel(f"{METRIC_NAMES[metric]} (ms): median, shaded to p90")
     axes[0][-1].legend()
-    fig.suptitle(title or f"{METRIC_NAMES[metric]}: push vs pull")
+    fig.suptitle(title or f"{METRIC_NAMES[metric]}: {' vs '.join(modes_in(points))}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -1,4 +1,9 @@
-"""The push-vs-pull sweep: per mode, a 1P1D deployment (started or attached), one bench per grid point.
+"""The push-vs-pull(-vs-colocated) sweep: per mode, a 1P1D deployment (or two colocated instances; started or
+attached), one bench per grid point.
+
+With goodput SLOs every point's JSON has `request_goodput` and `slo_attainment`. The max-goodput search
+(`find_max_goodput`) climbs the request rates in increasing order and, per mode and (input, output), stops
+after the first rate whose SLO attainment (pooled over its iterations) falls below the threshold.
 
 Every point writes `<results_dir>/<mode>_qps<q>_in<in>_out<out>_iter<i>.json` (the bench result plus `mode`,
 `qps`, `iteration`) and a `.log` beside it. Servers' own logs go to `<results_dir>/servers/`. Points of
@@ -22,10 +27,11 @@ from pathlib import Path
 
 from pdserve.bench import cli_bench
 from pdserve.bench.deploy import Deployment, ServerOptions
-from pdserve.bench.metrics import format_quarters
+from pdserve.bench.metrics import format_quarters, parse_goodput
 from pdserve.bench.tokenizer import Vocab, load_vocab
 
-MODES = ("push", "pull")
+MODES = ("push", "pull", "colocated")
+DEFAULT_MODES = ("push", "pull")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,10 @@ class SweepConfig:
     save_timeline: bool = False  # write <results_dir>/timeline_<mode>.json from the servers' /timeline
     interleave: bool = False  # all modes' deployments up at once, points alternating between modes
     startup_timeout_s: float = 600.0
+    goodput: tuple[str, ...] = ()  # SLOs as `pdserve bench --goodput` takes them: ("ttft:1000", "tpot:25")
+    find_max_goodput: bool = False  # climb the rates per mode until attainment < goodput_threshold
+    goodput_threshold: float = 0.9  # SLO attainment (fraction) a rate must reach to count as sustained
+    router_args: tuple[str, ...] = ()  # extra `pdserve proxy` flags for the routers of the pull/push modes
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -70,10 +80,16 @@ class SweepConfig:
             raise ValueError("a model is needed to start the modes that are not attached")
         if self.iterations < 1 or self.num_prompts < 1:
             raise ValueError("iterations and num_prompts must be >= 1")
+        parse_goodput(self.goodput)  # raises ValueError on a malformed SLO
+        if self.find_max_goodput and not self.goodput:
+            raise ValueError("the max-goodput search needs SLOs: --goodput ttft:MS tpot:MS")
+        if not 0 < self.goodput_threshold <= 1:
+            raise ValueError(f"goodput threshold must be in (0, 1], got {self.goodput_threshold}")
 
     def points(self) -> list[tuple[float, int, int, int]]:
-        """(qps, input_len, output_len, iteration) in run order."""
-        grid = itertools.product(self.qps, self.input_lens, self.output_lens, range(self.iterations))
+        """(qps, input_len, output_len, iteration) in run order (rates ascending when searching)."""
+        rates = sorted(self.qps) if self.find_max_goodput else self.qps
+        grid = itertools.product(rates, self.input_lens, self.output_lens, range(self.iterations))
         return [(q, i, o, it) for q, i, o, it in grid]
 
 
@@ -103,6 +119,8 @@ def bench_argv(
         argv.append("--ignore-eos")
     if cfg.tokenizer:
         argv += ["--tokenizer", cfg.tokenizer]
+    if cfg.goodput:
+        argv += ["--goodput", *cfg.goodput]
     return argv
 
 
@@ -139,6 +157,8 @@ class Sweep:
         self.log = log
         self.written: list[Path] = []  # result JSONs, in run order
         self._vocab: Vocab | None = None
+        # max-goodput search: (mode, input, output) -> rate -> [(slo_attainment, num_prompts) per iteration]
+        self._attained: dict[tuple[str, int, int], dict[float, list[tuple[float, int]]]] = {}
 
     def vocab(self) -> Vocab:
         if self._vocab is None:
@@ -173,13 +193,20 @@ class Sweep:
             self.log(f"[{mode}] attached to {self.cfg.attach[mode].router_url}")
             return self.cfg.attach[mode], None
         assert self.cfg.server is not None
-        self.log(f"[{mode}] starting prefill + decode + router ({self.cfg.server.model})")
+        parts = "two --kv-role both instances" if mode == "colocated" else "prefill + decode"
+        self.log(f"[{mode}] starting {parts} + router ({self.cfg.server.model})")
         start = time.monotonic()
         deployment = Deployment(
-            self.cfg.server, mode, self.cfg.results_dir / "servers", startup_timeout_s=self.cfg.startup_timeout_s
+            self.cfg.server,
+            mode,
+            self.cfg.results_dir / "servers",
+            startup_timeout_s=self.cfg.startup_timeout_s,
+            router_args=() if mode == "colocated" else self.cfg.router_args,
         )
         stack.enter_context(deployment)
         self.log(f"[{mode}] healthy after {time.monotonic() - start:.1f} s: router {deployment.router_url}")
+        if mode == "colocated":  # no prefill/decode pair: no P/D timeline
+            return Endpoints(deployment.router_url), deployment
         return Endpoints(deployment.router_url, deployment.prefill_url, deployment.decode_url), deployment
 
     def _warm_up(self, mode: str, ends: Endpoints) -> None:
@@ -193,8 +220,18 @@ class Sweep:
         self.log(f"[{mode}] warming up with {cfg.num_warmups} requests")
         asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda _: None))
 
+    def is_past_max(self, mode: str, point: tuple[float, int, int, int]) -> bool:
+        """Searching: whether a lower rate of this mode and (input, output) already missed the threshold."""
+        qps, input_len, output_len, _ = point
+        for rate, runs in self._attained.get((mode, input_len, output_len), {}).items():
+            if rate < qps and pooled_attainment(runs) < self.cfg.goodput_threshold:
+                return True
+        return False
+
     def _run_point(self, mode: str, ends: Endpoints, deployment: Deployment | None, index: int, point: tuple) -> None:
         cfg = self.cfg
+        if cfg.find_max_goodput and self.is_past_max(mode, point):
+            return
         for proc in deployment.procs if deployment else ():
             if not proc.is_alive():
                 raise RuntimeError(f"{proc.name} died (code {proc.proc.returncode}):\n{proc.log_tail()}")
@@ -211,11 +248,16 @@ class Sweep:
         path.write_text(json.dumps(result, indent=1))
         self.written.append(path)
         drift = result["ttft_drift"]
+        goodput = ""
+        if result.get("slo_attainment") is not None:
+            attained = self._attained.setdefault((mode, point[1], point[2]), {})
+            attained.setdefault(point[0], []).append((result["slo_attainment"], cfg.num_prompts))
+            goodput = f", goodput {result['request_goodput']:.2f} req/s, SLO attainment {result['slo_attainment']:.0%}"
         self.log(
             f"[{mode}] {stem}: {result['completed']}/{cfg.num_prompts} ok, "
             f"median TTFT {result['median_ttft_ms']:.1f} ms, TPOT {result['median_tpot_ms']:.1f} ms, "
             f"TTFT per quarter {format_quarters(result['ttft_quarter_medians_ms'])} ms, "
-            f"drift {'-' if drift is None else f'{drift:.2f}'}"
+            f"drift {'-' if drift is None else f'{drift:.2f}'}{goodput}"
         )
 
     def _save_timeline(self, mode: str, ends: Endpoints) -> None:
@@ -229,9 +271,16 @@ class Sweep:
             self.log(f"[{mode}] no timeline: {e}")
 
 
+def pooled_attainment(runs: Sequence[tuple[float, int]]) -> float:
+    """[(slo_attainment, num_requests) per iteration] -> the fraction of all their requests within the SLOs."""
+    total = sum(n for _, n in runs)
+    return sum(a * n for a, n in runs) / total if total else 0.0
+
+
 def summary_table(paths: Sequence[Path]) -> str:
-    """Push vs pull, one row per (qps, input, output): median TTFT and TPOT over every request of every
-    iteration, and per mode TTFT's median per quarter of the run with its drift (last / first quarter)."""
+    """The modes side by side, one row per (qps, input, output): median TTFT and TPOT over every request of
+    every iteration, goodput and SLO attainment when SLOs were given, and per mode TTFT's median per quarter of
+    the run with its drift (last / first quarter)."""
     from pdserve.bench.plot import load_results, summary_rows
 
     return summary_rows(load_results(paths))

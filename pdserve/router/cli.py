@@ -1,4 +1,5 @@
-"""`pdserve proxy --mode pull|push --prefill URL... --decode URL...`: the P/D router."""
+"""`pdserve proxy --mode pull|push --prefill URL... --decode URL...` (the P/D router) or
+`pdserve proxy --mode colocated --instance URL...` (a load balancer over `--kv-role both` instances)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,41 @@ import argparse
 import logging
 import sys
 
-from pdserve.router.policy import POLICIES
+from pdserve.router.policy import MODES, POLICIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["pull", "push"], default="pull", help="KV transfer orchestration (default pull)")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instance base URL(s)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instance base URL(s)")
+    p.add_argument(
+        "--mode",
+        choices=list(MODES),
+        default="pull",
+        help="pull or push: split each request into a prefill and a decode leg (KV transfer orchestration); "
+        "colocated: send each whole request to one --instance (no KV transfer) (default pull)",
+    )
+    p.add_argument(
+        "--prefill", nargs="+", default=[], metavar="URL", help="prefill instance base URL(s) (pull and push: required)"
+    )
+    p.add_argument(
+        "--decode", nargs="+", default=[], metavar="URL", help="decode instance base URL(s) (pull and push: required)"
+    )
+    p.add_argument(
+        "--instance",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="colocated mode: base URL(s) of instances started with --kv-role both; each request goes whole to one, "
+        "chosen by --policy (required with --mode colocated)",
+    )
+    p.add_argument(
+        "--colocate-below",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pull and push: selective disaggregation; a request whose prompt is estimated below N tokens goes to a "
+        "decode instance alone (no kv_transfer_params) and D prefills it locally, P never sees it. Estimate: token-id "
+        "prompts exactly, text (chat: all message contents) as UTF-8 bytes / 4. The log line says route=whole and "
+        "counts them (whole_total). Default: every request is disaggregated",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument(
@@ -67,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
             mode=args.mode,
             prefill_urls=tuple(args.prefill),
             decode_urls=tuple(args.decode),
+            instance_urls=tuple(args.instance),
+            colocate_below=args.colocate_below,
             policy=args.policy,
             connect_timeout_s=args.connect_timeout_s,
             health_timeout_s=args.health_timeout_s,
@@ -81,10 +112,15 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("pdserve.router").warning(
             "no --kv-auth-secret: push transfer params are not signed (instances with a secret refuse them)"
         )
+    if config.mode == "colocated":
+        backends = f"instances {', '.join(config.instance_urls)}"
+    else:
+        backends = f"prefill {', '.join(config.prefill_urls)}, decode {', '.join(config.decode_urls)}"
+        if config.colocate_below is not None:
+            backends += f"; prompts below ~{config.colocate_below} tokens go to decode alone"
     logging.getLogger("pdserve.router").info(
-        "router (%s mode, %s) on http://%s:%d: prefill %s, decode %s",
-        config.mode, config.policy, args.host, args.port, ", ".join(config.prefill_urls), ", ".join(config.decode_urls),
-    )  # fmt: skip
+        "router (%s mode, %s) on http://%s:%d: %s", config.mode, config.policy, args.host, args.port, backends
+    )
     uvicorn.run(
         build_app(config),
         host=args.host,

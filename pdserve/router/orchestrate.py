@@ -7,6 +7,13 @@ push: P and D are chosen at arrival and both legs leave at once with one fresh t
       kv_transfer_params carry P's coordinates from P's GET /kv_transfer/info (cached per P URL). If P's leg
       fails, D's leg is cancelled and the client gets a 502 naming the prefill leg.
 
+Or not split:
+colocated: the whole request goes to one `--kv-role both` instance of the pool, chosen by the policy; its
+      answer (streamed or not) goes back as is. A failure is a 502 naming the instance.
+selective disaggregation (pull, push with `colocate_below`): a request whose estimated prompt
+      (router/prompt_len.py) is shorter than `colocate_below` tokens goes whole to a decode instance, without
+      kv_transfer_params, and D prefills it locally; P never sees it.
+
 Both legs carry the client's X-Request-Id. A client that disconnects cancels the legs in flight: their
 connections close, and each backend aborts its request and frees its blocks.
 """
@@ -27,7 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.auth import DEFAULT_TTL_S
-from pdserve.router.policy import Lease, Pool
+from pdserve.router.policy import MODES, Lease, Pool
+from pdserve.router.prompt_len import estimate_prompt_tokens
 from pdserve.router.upstream import LegError, get_json, open_stream, post_json
 from pdserve.transfer.capability import KVAuth
 from pdserve.transfer.params import (
@@ -54,7 +62,8 @@ class Call:
     request_id: str  # sent to both legs as X-Request-Id
     http: Request  # the client's request, watched for a disconnect
     prefill_url: str | None = None  # chosen instances, for the log line
-    decode_url: str | None = None
+    decode_url: str | None = None  # the decode instance; in colocated mode the instance that ran it whole
+    is_whole: bool = False  # sent to one instance without a prefill leg (colocated, or a short prompt)
     headers: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,31 +91,85 @@ def _error_event(message: str) -> bytes:
 
 
 class Orchestrator:
-    """Runs calls in `mode` over the prefill and decode pools with one shared aiohttp session."""
+    """Runs calls in `mode` with one shared aiohttp session.
+
+    pull/push: over the `prefill` and `decode` pools; colocated: `prefill` is None and `decode` is the pool of
+    `--kv-role both` instances, each of which runs whole requests. `colocate_below` (pull/push only): prompts
+    estimated shorter than this many tokens skip P and go whole to a decode instance; None = never.
+    """
 
     def __init__(
         self,
         mode: str,
-        prefill: Pool,
+        prefill: Pool | None,
         decode: Pool,
         session: aiohttp.ClientSession,
         info_timeout_s: float = 10.0,
+        colocate_below: int | None = None,
         kv_auth: KVAuth | None = None,
     ) -> None:
-        if mode not in ("pull", "push"):
-            raise ValueError(f"mode {mode!r} is not one of pull, push")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+        if (prefill is None) != (mode == "colocated"):
+            raise ValueError("pull and push need a prefill pool; colocated takes none")
+        if colocate_below is not None and mode == "colocated":
+            raise ValueError("colocate_below applies to pull and push only")
         self.mode = mode
-        self.prefill = prefill
+        self._prefill = prefill
         self.decode = decode
         self.session = session
         self.info_timeout_s = info_timeout_s
         self.kv_auth = kv_auth or KVAuth(None)  # signs push capabilities (transfer/capability.py)
+        self.colocate_below = colocate_below
+        self.num_whole = 0  # calls sent whole to one instance so far (all of them in colocated mode)
         self._prefill_info: dict[str, asyncio.Future[dict[str, Any]]] = {}  # P URL -> its /kv_transfer/info
         self._background: set[asyncio.Task[Any]] = set()  # P legs still finishing after D answered
 
+    @property
+    def prefill(self) -> Pool:
+        assert self._prefill is not None, "colocated mode has no prefill pool"
+        return self._prefill
+
+    def is_short(self, body: dict[str, Any]) -> bool:
+        """Whether a pull/push call skips P: its estimated prompt is below `colocate_below` tokens."""
+        if self.colocate_below is None:
+            return False
+        num_tokens = estimate_prompt_tokens(body)
+        return num_tokens is not None and num_tokens < self.colocate_below
+
     async def handle(self, call: Call) -> Response:
         """The client's answer; raises LegError or ClientDisconnected."""
+        if self.mode == "colocated":
+            return await self._whole(call, "instance")
+        if self.is_short(call.body):
+            return await self._whole(call, "decode")
         return await (self._pull(call) if self.mode == "pull" else self._push(call))
+
+    # --- whole requests (colocated, or short prompts in pull/push) ---------------------------------------
+
+    async def _whole(self, call: Call, leg: str) -> Response:
+        """Send the client's body, without kv_transfer_params, to one instance of the decode pool; `leg`
+        ("instance" or "decode") names it in errors."""
+        call.is_whole = True
+        self.num_whole += 1
+        d = self.decode.choose()
+        call.decode_url = d.url
+        body = {k: v for k, v in call.body.items() if k != "kv_transfer_params"}
+        if not call.is_stream:
+            with self.decode.lease(d):
+                answer = await race_disconnect(
+                    post_json(self.session, leg, d.url, call.path, body, call.headers), call.http
+                )
+            return JSONResponse(answer, headers=call.headers)
+        lease = self.decode.lease(d)
+        try:
+            resp = await race_disconnect(
+                open_stream(self.session, leg, d.url, call.path, body, call.headers), call.http
+            )
+        except BaseException:
+            lease.release()
+            raise
+        return self._relay_stream(call, resp, lease, [], leg)
 
     # --- pull -------------------------------------------------------------------------------------------
 
@@ -152,7 +215,7 @@ class Orchestrator:
         except BaseException:
             d_lease.release()
             raise
-        return self._relay_stream(call, resp, d_lease, [])
+        return self._relay_stream(call, resp, d_lease, [], "decode")
 
     # --- push -------------------------------------------------------------------------------------------
 
@@ -199,7 +262,7 @@ class Orchestrator:
         if not call.is_stream:
             d_lease.release()
             return JSONResponse(result, headers=call.headers)
-        return self._relay_stream(call, result, d_lease, [p_task])
+        return self._relay_stream(call, result, d_lease, [p_task], "decode")
 
     async def _leased(self, lease: Lease, body: dict[str, Any], call: Call, leg: str) -> dict[str, Any]:
         with lease:
@@ -258,10 +321,11 @@ class Orchestrator:
     # --- streaming relay --------------------------------------------------------------------------------
 
     def _relay_stream(
-        self, call: Call, resp: aiohttp.ClientResponse, lease: Lease, others: list[asyncio.Task[Any]]
+        self, call: Call, resp: aiohttp.ClientResponse, lease: Lease, others: list[asyncio.Task[Any]], leg: str
     ) -> Response:
-        """Pass D's SSE bytes through. When the client goes away, D's connection is closed (D aborts) and the
-        legs in `others` are cancelled; at the end the lease on D is released."""
+        """Pass D's (or, colocated, the instance's) SSE bytes through. When the client goes away, D's
+        connection is closed (D aborts) and the legs in `others` are cancelled; at the end the lease on D is
+        released. `leg` names D in a mid-stream error."""
         state = {"complete": False}
 
         async def relay() -> AsyncIterator[bytes]:
@@ -270,9 +334,9 @@ class Orchestrator:
                     yield chunk
                 state["complete"] = True
             except (TimeoutError, aiohttp.ClientError) as e:
-                log.warning("request %s: decode stream from %s broke: %s", call.request_id, call.decode_url, e)
+                log.warning("request %s: %s stream from %s broke: %s", call.request_id, leg, call.decode_url, e)
                 state["complete"] = True  # the connection is gone anyway
-                yield _error_event(f"decode leg to {call.decode_url} failed mid-stream: {e or type(e).__name__}")
+                yield _error_event(f"{leg} leg to {call.decode_url} failed mid-stream: {e or type(e).__name__}")
             finally:
                 await cleanup()
 

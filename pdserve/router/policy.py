@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 
 POLICIES = ("least-loaded", "round-robin")
+MODES = ("pull", "push", "colocated")  # pull/push: a prefill and a decode leg; colocated: whole requests
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Pool:
             raise ValueError(f"no {role} instance given")
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
-        self.role = role  # "prefill" | "decode", named in errors
+        self.role = role  # "prefill" | "decode" | "instance" (colocated), named in errors
         self.backends = [Backend(url.rstrip("/")) for url in urls]
         self.policy = policy
         self._cycle = itertools.cycle(range(len(self.backends)))

@@ -1,8 +1,9 @@
 """The P/D router's HTTP app: `build_app(RouterConfig)`.
 
 Routes: POST /v1/completions and /v1/chat/completions (split into a prefill and a decode leg by the
-Orchestrator), GET /health (200 only when every backend answers its /health with 200), GET /v1/models
-(from the first decode instance). The router speaks HTTP only: it imports neither engine nor model nor torch.
+Orchestrator, or sent whole to one instance in colocated mode), GET /health (200 only when every backend
+answers its /health with 200), GET /v1/models (from the first decode, or colocated, instance).
+The router speaks HTTP only: it imports neither engine nor model nor torch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.orchestrate import Call, Orchestrator
-from pdserve.router.policy import POLICIES, Pool
+from pdserve.router.policy import MODES, POLICIES, Pool
 from pdserve.router.upstream import LegError, get_json, make_session
 from pdserve.transfer.capability import KVAuth
 from pdserve.web import (
@@ -38,9 +39,11 @@ log = logging.getLogger("pdserve.router")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    mode: str  # "pull" | "push"
-    prefill_urls: tuple[str, ...]  # base URLs of prefill instances
-    decode_urls: tuple[str, ...]  # base URLs of decode instances
+    mode: str  # "pull" | "push" | "colocated"
+    prefill_urls: tuple[str, ...] = ()  # base URLs of prefill instances (pull, push)
+    decode_urls: tuple[str, ...] = ()  # base URLs of decode instances (pull, push)
+    instance_urls: tuple[str, ...] = ()  # base URLs of `--kv-role both` instances (colocated)
+    colocate_below: int | None = None  # pull/push: prompts estimated below this many tokens go to D alone
     policy: str = "least-loaded"  # or "round-robin"
     connect_timeout_s: float = 10.0  # to open a connection to a backend
     health_timeout_s: float = 5.0  # for each backend's /health and P's /kv_transfer/info
@@ -49,29 +52,59 @@ class RouterConfig:
     kv_auth_secret: bytes | None = field(default=None, repr=False)  # signs push capabilities (auth.py)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("pull", "push"):
-            raise ValueError(f"mode {self.mode!r} is not one of pull, push")
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.kv_auth_secret is not None and len(self.kv_auth_secret) < 16:
             raise ValueError("the KV auth secret must be at least 16 bytes")
-        if not self.prefill_urls or not self.decode_urls:
-            raise ValueError("at least one --prefill and one --decode URL are needed")
-        for url in self.prefill_urls + self.decode_urls:
+        if self.mode == "colocated":
+            if not self.instance_urls:
+                raise ValueError("colocated mode needs at least one --instance URL")
+            if self.prefill_urls or self.decode_urls:
+                raise ValueError("colocated mode takes --instance URLs, not --prefill/--decode")
+            if self.colocate_below is not None:
+                raise ValueError("--colocate-below applies to pull and push modes only")
+        else:
+            if not self.prefill_urls or not self.decode_urls:
+                raise ValueError(f"{self.mode} mode needs at least one --prefill and one --decode URL")
+            if self.instance_urls:
+                raise ValueError(f"--instance is for colocated mode; {self.mode} mode takes --prefill and --decode")
+            if self.colocate_below is not None and self.colocate_below < 1:
+                raise ValueError(f"--colocate-below must be >= 1 token, got {self.colocate_below}")
+        for url in self.prefill_urls + self.decode_urls + self.instance_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend URL {url!r} must start with http:// or https://")
 
+    @property
+    def backend_urls(self) -> list[tuple[str, str]]:
+        """(leg name, URL) of every backend, as errors name them."""
+        if self.mode == "colocated":
+            return [("instance", url) for url in self.instance_urls]
+        return [("prefill", url) for url in self.prefill_urls] + [("decode", url) for url in self.decode_urls]
+
 
 def build_app(config: RouterConfig) -> FastAPI:
-    prefill = Pool("prefill", list(config.prefill_urls), config.policy)
-    decode = Pool("decode", list(config.decode_urls), config.policy)
+    colocated = config.mode == "colocated"
+    prefill = None if colocated else Pool("prefill", list(config.prefill_urls), config.policy)
+    decode = (
+        Pool("instance", list(config.instance_urls), config.policy)
+        if colocated
+        else Pool("decode", list(config.decode_urls), config.policy)
+    )
     holder: dict[str, Orchestrator] = {}  # the session needs a running loop: made in the lifespan
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         session = make_session(config.connect_timeout_s, config.api_key)
         holder["orchestrator"] = Orchestrator(
-            config.mode, prefill, decode, session, config.health_timeout_s, KVAuth(config.kv_auth_secret)
+            config.mode,
+            prefill,
+            decode,
+            session,
+            config.health_timeout_s,
+            config.colocate_below,
+            KVAuth(config.kv_auth_secret),
         )
         try:
             yield
@@ -106,12 +139,15 @@ def build_app(config: RouterConfig) -> FastAPI:
             return Response(status_code=499)
         finally:
             log.info(
-                "request %s mode=%s prefill=%s decode=%s status=%d %s=%.3fs",
+                "request %s mode=%s route=%s prefill=%s %s=%s status=%d whole_total=%d %s=%.3fs",
                 call.request_id,
                 config.mode,
+                "whole" if call.is_whole else "split",
                 call.prefill_url,
+                "instance" if colocated else "decode",
                 call.decode_url,
                 status,
+                orchestrator.num_whole,
                 "first_byte" if call.is_stream and status == 200 else "latency",
                 time.perf_counter() - started,
             )
@@ -127,7 +163,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         session = holder["orchestrator"].session
-        legs = [("prefill", b.url) for b in prefill.backends] + [("decode", b.url) for b in decode.backends]
+        legs = config.backend_urls
         results = await asyncio.gather(
             *(get_json(session, leg, url, "/health", config.health_timeout_s) for leg, url in legs),
             return_exceptions=True,
@@ -135,6 +171,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         failures = [str(r) for r in results if isinstance(r, BaseException)]
         if failures:
             return error_response(503, "unhealthy backends: " + "; ".join(failures))
+        if colocated:
+            return JSONResponse({"status": "ok", "instances": list(config.instance_urls)})
         return JSONResponse({"status": "ok", "prefill": list(config.prefill_urls), "decode": list(config.decode_urls)})
 
     @app.get("/v1/models")
@@ -142,7 +180,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         url = decode.backends[0].url
         try:
             session = holder["orchestrator"].session
-            answer = await get_json(session, "decode", url, "/v1/models", config.health_timeout_s)
+            answer = await get_json(session, decode.role, url, "/v1/models", config.health_timeout_s)
         except LegError as e:
             return JSONResponse(e.body, status_code=e.status)
         return JSONResponse(answer)

@@ -79,3 +79,35 @@ def test_sweep_interrupted_leaves_no_process(tiny_model: Path, tmp_path: Path, m
         proc.kill()
     assert proc.returncode == 130, output
     _assert_no_process_left(find, marker)
+
+
+def test_sweep_colocated_with_goodput_search(tiny_model: Path, tmp_path: Path, marked_processes: Marked) -> None:
+    """colocated beside pull, SLOs every request meets: goodput keys in every JSON, the search runs every rate."""
+    marker_var, find = marked_processes
+    marker = uuid.uuid4().hex
+    results = tmp_path / "sweep"
+    grid = ["--modes", "pull,colocated", "--qps", "8,4", "--input-lens", "16", "--output-lens", "4"]
+    grid += ["--num-prompts", "3", "--num-warmups", "1", "--goodput", "ttft:60000", "tpot:60000"]
+    proc = _sweep(tiny_model, results, marker_var, marker, *grid, "--find-max-goodput", "--interleave")
+    try:
+        output, _ = proc.communicate(timeout=540)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    stems = {f"{mode}_qps{q}_in16_out4_iter0" for mode in ("pull", "colocated") for q in (4, 8)}
+    files = {p.name for p in results.iterdir() if p.is_file()}
+    assert files == {f"{s}.{ext}" for s in stems for ext in ("json", "log")} | {"max_goodput.json", "attainment.png"}
+    for stem in stems:
+        r = json.loads((results / f"{stem}.json").read_text())
+        assert (r["completed"], r["slo_attainment"]) == (3, 1.0), r["errors"]
+        assert r["request_goodput"] == pytest.approx(r["request_throughput"])
+        assert r["goodput_slos_ms"] == {"ttft": 60000.0, "tpot": 60000.0}
+    summary = json.loads((results / "max_goodput.json").read_text())
+    assert {(m["mode"], m["max_qps"]) for m in summary["results"]} == {("pull", 8.0), ("colocated", 8.0)}
+    assert "colocated SLO%" in output and "in 16 out 4 colocated: 8 req/s" in output
+    router_log = (results / "servers" / "colocated_router.log").read_text()
+    for i in range(2):  # both instances served requests
+        instance = (results / "servers" / f"colocated_instance{i}.log").read_text()
+        assert "status=200" in instance and "--kv-role both" in instance
+    assert "mode=colocated route=whole" in router_log
+    _assert_no_process_left(find, marker)
