@@ -71,7 +71,12 @@ class TPGroup:
         self._wait_all("hello", HELLO_TIMEOUT_S)
         if dist.is_initialized():
             raise TPGroupError("a tensor-parallel engine already runs in this process (one per process)")
-        join_process_group(rank_device(self.device, 0), 0, self.size, self.init_method)
+        device = rank_device(self.device, 0)
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(device)  # NCCL binds rank 0 to this GPU
+        join_process_group(device, 0, self.size, self.init_method)
         self._joined_group = True
         return ProcessGroupCollectives(self.size)
 
