@@ -8,17 +8,22 @@ split over the ranks and a Mistral whose 1 KV head is replicated. Each TP 2 engi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig, TransferConfig
+from pdserve.engine.kv_cache import allocate_kv_cache
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_plan import SHUTDOWN, PlanChunk, PlanError, PlanKind, StepPlan, decode, encode
 from pdserve.engine.tp_group import TPGroupError
 from pdserve.model.arch import ModelArch
@@ -167,3 +172,57 @@ def test_step_plan_round_trip() -> None:
         decode((99).to_bytes(8, "little") + data[8:])
     with pytest.raises(PlanError, match="do not add up"):
         decode(data[:-8])
+
+
+class _ThreadCollectives:
+    """Collectives between ranks that are threads of this process (every rank sums in the same order)."""
+
+    def __init__(self, rank: int, shared: dict[str, Any]) -> None:
+        self.rank, self.shared = rank, shared
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        slots, barrier = self.shared["slots"], self.shared["barrier"]
+        slots[self.rank] = x.clone()
+        barrier.wait(timeout=30)
+        parts = list(slots)
+        barrier.wait(timeout=30)  # nobody overwrites a slot before every rank read them all
+        return parts
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(x)
+        return x.copy_(functools.reduce(torch.add, parts))
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._exchange(x), dim=-1)
+
+
+def test_every_family_tp2_logits_equal_tp1(tiny_family: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """Each family's shard layout (qkv bias, q/k norm, tied embeddings, llama3 RoPE, GQA/MQA) in-process:
+    two ranks as threads give TP 1's logits, for a chunked prefill followed by a decode step."""
+    cfg = ModelConfig(model=str(tiny_model_dirs[tiny_family]), num_threads=1)
+    steps = [
+        [PlanChunk(list(range(5, 21)), 0, [3, 1, 4, 0], False), PlanChunk(list(range(40, 45)), 0, [5, 2], True)],
+        [PlanChunk(list(range(21, 27)), 16, [3, 1, 4, 0, 6, 7], True), PlanChunk([50], 5, [5, 2], True)],
+    ]
+
+    def run(tp: int, rank: int, comm: _ThreadCollectives | None, out: dict[int, list[torch.Tensor]]) -> None:
+        loaded = load_model(cfg, tp, rank, comm)
+        heads = loaded.decoder.shard.num_kv_heads
+        kv = allocate_kv_cache(loaded.arch, 8, 4, torch.float32, torch.device("cpu"), heads)
+        runner = ModelRunner(loaded.decoder, kv, torch.device("cpu"))
+        out[rank] = [logits for s in steps if (logits := runner.forward(s)) is not None]
+
+    expected: dict[int, list[torch.Tensor]] = {}
+    run(1, 0, None, expected)
+    shared: dict[str, Any] = {"slots": [None, None], "barrier": threading.Barrier(2)}
+    got: dict[int, list[torch.Tensor]] = {}
+    threads = [threading.Thread(target=run, args=(2, r, _ThreadCollectives(r, shared), got)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(got) == {0, 1}
+    for rank in range(2):
+        for a, b in zip(got[rank], expected[0], strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
