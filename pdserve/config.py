@@ -118,8 +118,37 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one instance spreads its model over processes (docs/architecture.md, "Tensor parallelism").
+
+    Whether the model's head counts split over tensor_parallel_size ranks is checked when its shape is known
+    (model/parallel.py, shard_for): attention heads must divide; KV heads split when num_kv_heads % N == 0
+    and are replicated when N % num_kv_heads == 0.
+    """
+
+    tensor_parallel_size: int = 1  # ranks (one process each); rank 0 is the engine process
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.tensor_parallel_size > 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and self.transfer.is_disaggregated:
+            raise ConfigError(
+                f"kv role {self.transfer.role!r} with tensor_parallel_size {tp}: an instance of more than one "
+                "rank serves --kv-role both only for now (per-rank KV transfer is the next step of issue 13)"
+            )

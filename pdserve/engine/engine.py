@@ -19,7 +19,10 @@ from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.text import TextTracker
-from pdserve.model.loader import load_model
+from pdserve.engine.tp_group import TPGroup, TPGroupError
+from pdserve.engine.tp_rank import rank_device
+from pdserve.model.loader import load_model, model_arch
+from pdserve.model.parallel import check_tp_split
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
 from pdserve.transfer.params import KVTransferParams, RemoteDecode
@@ -33,21 +36,37 @@ MAX_RELEASED_IDS = 4096  # P: request ids whose pins were released, so a repeate
 class LLMEngine:
     def __init__(self, config: EngineConfig, wakeup: Callable[[], None] = lambda: None) -> None:
         self.config = config
-        loaded = load_model(config.model)
-        self.model_name = loaded.name
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = loaded.max_model_len
-        self.vocab_size = loaded.arch.vocab_size
-        self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.arch.eos_token_ids)
-        dtype = getattr(torch, config.model.dtype)
-        device = torch.device(config.model.device)
-        block_size = config.cache.block_size
-        self.num_blocks = num_blocks_for(config.cache, loaded.arch, dtype)
-        kv_cache = allocate_kv_cache(loaded.arch, self.num_blocks, block_size, dtype, device)
+        tp = config.parallel.tensor_parallel_size
+        self.ranks: TPGroup | None = None  # tensor parallelism: ranks 1..tp-1 (joined in shutdown())
+        if tp > 1:
+            check_tp_split(model_arch(config.model), tp)  # before spawning anything
+            self.ranks = TPGroup(config)
+        try:
+            comm = None if self.ranks is None else self.ranks.connect()
+            device_name = rank_device(config.model.device, 0) if tp > 1 else config.model.device
+            loaded = load_model(config.model, tp, 0, comm, device_name)
+            self.model_name = loaded.name
+            self.tokenizer = loaded.tokenizer
+            self.max_model_len = loaded.max_model_len
+            self.vocab_size = loaded.arch.vocab_size
+            tok = loaded.tokenizer
+            self.eos_token_ids = tuple(tok.eos_token_ids if tok else loaded.arch.eos_token_ids)
+            dtype = getattr(torch, config.model.dtype)
+            device = torch.device(device_name)
+            block_size = config.cache.block_size
+            kv_heads = loaded.decoder.shard.num_kv_heads  # this rank's
+            self.num_blocks = num_blocks_for(config.cache, loaded.arch, dtype, kv_heads)
+            kv_cache = allocate_kv_cache(loaded.arch, self.num_blocks, block_size, dtype, device, kv_heads)
+            if self.ranks is not None:
+                self.ranks.wait_ready(self.num_blocks)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.shutdown()
+            raise
         self.kv_scheduler, self.kv_worker = make_connectors(config.transfer, block_size)
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler)
-        self.runner = ModelRunner(loaded.decoder, kv_cache, device)
+        self.runner = ModelRunner(loaded.decoder, kv_cache, device, ranks=self.ranks)
         self.kv_worker.register_kv_cache(kv_cache, kv_cache_spec(kv_cache, loaded.name, config.model.dtype))
         self.kv_worker.start(wakeup)  # joined in shutdown()
         self._text: dict[str, TextTracker] = {}
@@ -154,6 +173,8 @@ class LLMEngine:
             self.scheduler.requests[c.request_id].mark("prefill_start")
         try:
             sampled = self.runner.execute(batch.chunks) if batch.chunks else {}
+        except TPGroupError:  # a rank is gone: no step can run any more; the caller fails every request
+            raise
         except Exception as e:  # a failed forward pass fails the requests in it, never the loop
             return outputs + self._fail_batch(batch, e)
         stopped = self.scheduler.update(batch, sampled)
@@ -284,3 +305,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.kv_worker.shutdown()
+        if self.ranks is not None:
+            self.ranks.shutdown()

@@ -26,26 +26,34 @@ from pdserve.model.arch import ModelArch
 from pdserve.transfer.base import KVCacheSpec
 
 
-def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block across all layers."""
+def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """K and V of one block across all layers (of `num_kv_heads` heads: a tensor-parallel rank's; default all)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * arch.num_layers * block_size * heads * arch.head_dim * elem
 
 
-def num_blocks_for(cfg: CacheConfig, arch: ModelArch, dtype: torch.dtype) -> int:
+def num_blocks_for(cfg: CacheConfig, arch: ModelArch, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Blocks of the cache: cfg.num_blocks, or as many as kv_cache_memory_gib holds (per rank, of its heads)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    n = int(cfg.kv_cache_memory_gib * 2**30 // bytes_per_block(arch, cfg.block_size, dtype))
+    n = int(cfg.kv_cache_memory_gib * 2**30 // bytes_per_block(arch, cfg.block_size, dtype, num_kv_heads))
     if n < 1:
         raise ConfigError(f"kv_cache_memory_gib {cfg.kv_cache_memory_gib} holds no block of this model")
     return n
 
 
 def allocate_kv_cache(
-    arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    arch: ModelArch,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_kv_heads: int | None = None,  # a tensor-parallel rank's KV heads; default all of the model's
 ) -> torch.Tensor:
     """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zeroed."""
-    shape = (num_blocks, arch.num_layers, 2, block_size, arch.num_kv_heads, arch.head_dim)
+    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    shape = (num_blocks, arch.num_layers, 2, block_size, heads, arch.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
@@ -13,7 +13,8 @@ from pdserve.sampling_params import SamplingParams
 
 class LLM:
     """Runs the engine in the calling thread. Prompts are strings (tokenized with the model's tokenizer) or
-    lists of token ids; generate() returns one finished output per prompt, in order."""
+    lists of token ids; generate() returns one finished output per prompt, in order. With
+    tensor_parallel_size N > 1 it spawns N - 1 rank processes: call shutdown() to join them."""
 
     def __init__(
         self,
@@ -31,11 +32,13 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         num_threads: int | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype, device, load_format, max_model_len, seed, num_threads),  # type: ignore[arg-type]
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gib, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            parallel=ParallelConfig(tensor_parallel_size),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -1,37 +1,51 @@
 """ModelRunner: owns the model and the KV cache tensor; runs one batch per call.
 
-The engine drives it through one call, execute(chunks) -> sampled tokens (a narrow interface, so one process
-per tensor-parallel rank can later sit behind it). The KV connector's worker half is the engine's, not this
-class's: the engine registers the same cache tensor with it.
+The engine drives it through one call, execute(chunks) -> sampled tokens. The KV connector's worker half is
+the engine's, not this class's: the engine registers the same cache tensor with it.
 
-On CUDA (fused decoder) steps whose rows are all single-token decodes replay a captured CUDA graph
-(cuda_graphs.py); everything else runs eagerly. Both give the same tokens.
+Tensor parallelism: on rank 0 `ranks` (engine/tp_group.py) is the group of the other ranks; execute() sends
+them the step's plan (engine/step_plan.py) before running forward() on the same chunks, and every rank's
+forward() runs the same collectives. Rank 0 alone samples. Any failure of a tensor-parallel step is a
+TPGroupError: the ranks may no longer be in step, so the group is unusable from then on.
+
+On CUDA (fused decoder, TP 1) steps whose rows are all single-token decodes replay a captured CUDA graph
+(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. TP > 1 runs eagerly on CUDA.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.step_plan import Chunk, plan_of
 from pdserve.model.decoder import Decoder
 from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
 
 if TYPE_CHECKING:
     from pdserve.engine.cuda_graphs import DecodeGraphs
+    from pdserve.engine.tp_group import TPGroup
 
 
 class ModelRunner:
     def __init__(
-        self, decoder: Decoder, kv_cache: torch.Tensor, device: torch.device, use_cuda_graphs: bool = True
+        self,
+        decoder: Decoder,
+        kv_cache: torch.Tensor,
+        device: torch.device,
+        use_cuda_graphs: bool = True,
+        ranks: TPGroup | None = None,  # rank 0 of a tensor-parallel instance: the other ranks
     ) -> None:
         self.decoder = decoder
-        self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, num_kv_heads of this rank, head_dim]
         self.block_size = kv_cache.shape[3]
         self.device = device
+        self.ranks = ranks
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps
+        use_cuda_graphs = use_cuda_graphs and not decoder.shard.is_parallel  # TP on CUDA: eager for now
         if use_cuda_graphs and decoder.uses_fused_kernels(device):
             from pdserve.engine.cuda_graphs import DecodeGraphs, max_blocks_per_seq
 
@@ -46,15 +60,26 @@ class ModelRunner:
             if self.graphs.can_run(chunks):
                 return self._execute_graph(chunks)
             self.graphs.invalidate()
-        ctx, input_ids, positions, sample_rows = self._prepare(chunks)
-        hidden = self.decoder(input_ids, positions, self.kv_cache, ctx)  # [T, hidden]
+        if self.ranks is None:
+            logits = self.forward(chunks)
+        else:
+            logits = self.ranks.run_step(plan_of(chunks, self.block_size), self.forward)
         sampling = [c for c in chunks if c.sample]
-        if not sampling:
+        if logits is None:
             return {}
-        rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.decoder.logits(hidden.index_select(0, rows))  # [N, vocab] float32
         tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
         return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
+        """One forward pass over the chunks: logits [N, vocab] float32 of the N sampling chunks' last rows (in
+        chunk order), None when no chunk samples. Every tensor-parallel rank calls it with the same chunks."""
+        ctx, input_ids, positions, sample_rows = self._prepare(chunks)
+        hidden = self.decoder(input_ids, positions, self.kv_cache, ctx)  # [T, hidden]
+        if not sample_rows:
+            return None
+        rows = torch.tensor(sample_rows, device=self.device)
+        return self.decoder.logits(hidden.index_select(0, rows))  # [N, vocab] float32
 
     def _execute_graph(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         assert self.graphs is not None
@@ -68,7 +93,7 @@ class ModelRunner:
         tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
         return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[AttentionContext, torch.Tensor, torch.Tensor, list[int]]:
+    def _prepare(self, chunks: Sequence[Chunk]) -> tuple[AttentionContext, torch.Tensor, torch.Tensor, list[int]]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -85,7 +110,7 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             slots.extend(c.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx_len = start + n
-            table = c.block_ids[: -(-ctx_len // bs)]
+            table = list(c.block_ids[: -(-ctx_len // bs)])
             if n == 1:
                 dec_rows.append(row0)
                 dec_tables.append(table)

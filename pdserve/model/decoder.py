@@ -12,6 +12,7 @@ False` forces the portable path (benchmarks compare the two).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from typing import cast
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable, paged_attention
 from pdserve.model.paged import AttentionContext, layer_view, write_kv
+from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 
 
 class RMSNorm(nn.Module):
@@ -60,20 +62,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    """One layer; with a tensor-parallel shard it holds this rank's heads and MLP rows (model/parallel.py) and
+    all-reduces the outputs of o_proj and down_proj (row-parallel) through `comm`."""
+
+    def __init__(self, arch: ModelArch, shard: TPShard, comm: Collectives | None) -> None:
         super().__init__()
-        h, d = arch.num_heads, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, arch.num_kv_heads, d
-        self.q_size, self.kv_size = h * d, arch.num_kv_heads * d
+        h, d = shard.num_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, shard.num_kv_heads, d
+        self.q_size, self.kv_size = h * d, shard.num_kv_heads * d
         self.scale = d**-0.5
+        self.comm = comm  # None at TP 1
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate_size, arch.hidden_size, bias=False)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel output's partial sums over ranks (identity at TP 1)."""
+        return x if self.comm is None else self.comm.all_reduce(x)
 
     def forward(
         self,
@@ -93,9 +103,9 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(layer_cache, k, v, ctx.slot_mapping)
         attn = paged_attention(q, layer_cache, ctx, self.scale, k, v)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        x = x + self._reduce(self.o_proj(attn.reshape(t, self.q_size)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self._reduce(self.down_proj(F.silu(gate) * up))
 
     def forward_fused(
         self,
@@ -132,24 +142,33 @@ class DecoderLayer(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, layer_cache, ctx, self.scale, k, v)  # [T, num_heads, head_dim]
-        x = linear(self.o_proj, attn.reshape(t, self.q_size))
+        x = self._reduce(linear(self.o_proj, attn.reshape(t, self.q_size)))
         post = self.post_attention_layernorm
         h, residual = ck.add_rmsnorm(x, residual, post.weight, post.eps)
-        return linear(self.down_proj, ck.silu_and_mul(linear(self.gate_up_proj, h))), residual
+        return self._reduce(linear(self.down_proj, ck.silu_and_mul(linear(self.gate_up_proj, h)))), residual
 
 
 class Decoder(nn.Module):
-    """forward(input_ids [T], positions [T], kv_cache, ctx) -> hidden [T, hidden]; logits(hidden) -> [N, vocab]."""
+    """forward(input_ids [T], positions [T], kv_cache, ctx) -> hidden [T, hidden]; logits(hidden) -> [N, vocab].
+
+    With a tensor-parallel `shard` (model/parallel.py) every rank calls forward() and logits() on the same
+    inputs, in the same order: each holds its slice of the weights and of the KV cache ([..., num_kv_heads of
+    this rank, head_dim]) and the collectives in `comm` make hidden states and logits whole on every rank."""
 
     inv_freq: torch.Tensor  # [head_dim / 2] float32, a buffer (register_buffer in __init__)
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, shard: TPShard | None = None, comm: Collectives | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.shard = shard or shard_for(arch)
+        if self.shard.is_parallel and comm is None:
+            raise ValueError(f"a decoder on {self.shard.size} tensor-parallel ranks needs their collectives")
+        self.comm = comm if self.shard.is_parallel else None
+        vocab = self.shard.vocab_per_rank  # the whole vocabulary at TP 1
+        self.embed_tokens = nn.Embedding(vocab, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, self.shard, self.comm) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
         self._rope_table: torch.Tensor | None = None  # fused path: cos/sin per position, built on first use
@@ -174,7 +193,7 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         if self.uses_fused_kernels(input_ids.device):
             return self._forward_fused(input_ids, positions, kv_cache, ctx)
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim/2], float32
         cos, sin = freqs.cos().to(x.dtype).unsqueeze(1), freqs.sin().to(x.dtype).unsqueeze(1)
         for i, layer in enumerate(self.decoder_layers):
@@ -188,7 +207,7 @@ class Decoder(nn.Module):
 
         if self._rope_table is None or self._rope_table.device != input_ids.device:
             self._rope_table = rope_cos_sin(self.inv_freq.to(input_ids.device), self.arch.max_position_embeddings)
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         gemv = input_ids.shape[0] <= min(self.gemv_max_rows, 1)  # the GEMV kernel takes one row
         for i, layer in enumerate(self.decoder_layers):
             x, residual = layer.forward_fused(
@@ -196,39 +215,56 @@ class Decoder(nn.Module):
             )
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]; with TP each rank looks up the ids in its vocabulary slice and the sum is whole."""
+        if self.comm is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        mine = (local >= 0) & (local < self.shard.vocab_per_rank)  # [T]
+        x = self.embed_tokens(local.clamp(0, self.shard.vocab_per_rank - 1))
+        return self.comm.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (with TP: gathered from every rank's vocabulary slice)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        if self.comm is None:
+            return logits
+        return self.comm.all_gather_last(logits)[:, : self.shard.vocab_size]
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy weights named as in Hugging Face's *ForCausalLM into this module, fusing qkv and gate/up."""
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Copy weights named as in Hugging Face's *ForCausalLM into this module, fusing qkv and gate/up and
+        keeping this rank's part of each (model/parallel.py)."""
+        params = dict(self.named_parameters())
+        for name, full in hf_fused_weights(sd, self.arch, tied=self.lm_head is None):
+            params[name].copy_(shard_param(name, full, self.arch, self.shard))
 
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
-                raise KeyError(f"weight {name!r} missing from checkpoint")
-            return sd[name]
 
-        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-        self.norm.weight.copy_(take("model.norm.weight"))
-        if self.lm_head is not None:
-            self.lm_head.weight.copy_(sd.get("lm_head.weight", take("model.embed_tokens.weight")))
-        for i, layer in enumerate(self.decoder_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            layer.qkv_proj.weight.copy_(
-                torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
-            )
-            if layer.qkv_proj.bias is not None:
-                layer.qkv_proj.bias.copy_(
-                    torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-                )
-            layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
-            if layer.q_norm is not None and layer.k_norm is not None:
-                layer.q_norm.weight.copy_(take(a + "q_norm.weight"))
-                layer.k_norm.weight.copy_(take(a + "k_norm.weight"))
-            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-            m = p + "mlp."
-            layer.gate_up_proj.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
-            layer.down_proj.weight.copy_(take(m + "down_proj.weight"))
+def hf_fused_weights(sd: Mapping[str, torch.Tensor], arch: ModelArch, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Decoder parameter name, its full value) for every parameter, read from Hugging Face names one at a
+    time (a loader holds at most one layer's q/k/v or gate/up at once)."""
+
+    def take(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise KeyError(f"weight {name!r} missing from checkpoint")
+        return sd[name]
+
+    yield "embed_tokens.weight", take("model.embed_tokens.weight")
+    yield "norm.weight", take("model.norm.weight")
+    if not tied:
+        yield "lm_head.weight", sd["lm_head.weight"] if "lm_head.weight" in sd else take("model.embed_tokens.weight")
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        a, m, ours = p + "self_attn.", p + "mlp.", f"layers.{i}."
+        yield ours + "qkv_proj.weight", torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
+        if arch.qkv_bias:
+            yield ours + "qkv_proj.bias", torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+        yield ours + "o_proj.weight", take(a + "o_proj.weight")
+        if arch.qk_norm:
+            yield ours + "q_norm.weight", take(a + "q_norm.weight")
+            yield ours + "k_norm.weight", take(a + "k_norm.weight")
+        yield ours + "input_layernorm.weight", take(p + "input_layernorm.weight")
+        yield ours + "post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight")
+        yield ours + "gate_up_proj.weight", torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        yield ours + "down_proj.weight", take(m + "down_proj.weight")

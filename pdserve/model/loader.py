@@ -28,6 +28,7 @@ from pdserve.config import ConfigError, ModelConfig
 from pdserve.model.arch import ModelArch
 from pdserve.model.builtin import builtin_gguf_path, builtin_names, is_builtin
 from pdserve.model.decoder import Decoder, RMSNorm, rope_inv_freq
+from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 from pdserve.model.presets import get_preset, is_preset, preset_names
 from pdserve.model.tokenizer import Tokenizer
 
@@ -46,29 +47,42 @@ class LoadedModel:
     max_model_len: int  # longest sequence (prompt + output) the engine admits
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
-    """Load the model `cfg.model` names; raises ConfigError with the known choices when it cannot."""
+def load_model(
+    cfg: ModelConfig, tp_size: int = 1, tp_rank: int = 0, comm: Collectives | None = None, device: str | None = None
+) -> LoadedModel:
+    """Load the model `cfg.model` names; raises ConfigError with the known choices when it cannot.
+
+    With tp_size > 1 the decoder holds rank `tp_rank`'s part of every weight (model/parallel.py) and runs its
+    collectives through `comm`; `device` overrides cfg.device (rank r of a CUDA instance uses its own GPU)."""
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    device, dtype = torch.device(cfg.device), TORCH_DTYPES[cfg.dtype]
+    device_, dtype = torch.device(device or cfg.device), TORCH_DTYPES[cfg.dtype]
     if cfg.load_format == "dummy":
         name, folder = _dummy_source(cfg.model)
         hf_cfg = get_preset(cfg.model) if folder is None else _read_config(folder)
         arch = ModelArch.from_hf_config(hf_cfg)
-        decoder = build_decoder(arch, device, dtype)
+        decoder = build_decoder(arch, device_, dtype, shard_for(arch, tp_size, tp_rank), comm)
         init_dummy_weights(decoder, cfg.seed)
         tokenizer = None if folder is None else load_tokenizer(folder, arch)
     else:
         name, folder = _weights_folder(cfg.model)
         hf_cfg = _read_config(folder)
         arch = ModelArch.from_hf_config(hf_cfg)
-        decoder = build_decoder(arch, device, dtype)
+        decoder = build_decoder(arch, device_, dtype, shard_for(arch, tp_size, tp_rank), comm)
         weights = SafetensorsWeights(folder)
         decoder.load_hf_state_dict(cast(dict[str, torch.Tensor], weights))
         _check_all_used(weights, folder)
         tokenizer = load_tokenizer(folder, arch)
     decoder.eval().requires_grad_(False)
     return LoadedModel(name, arch, decoder, tokenizer, _max_model_len(cfg, arch, hf_cfg))
+
+
+def model_arch(cfg: ModelConfig) -> ModelArch:
+    """The architecture numbers of `cfg.model` without loading weights (a .gguf is converted first, once)."""
+    if cfg.load_format == "dummy":
+        _, folder = _dummy_source(cfg.model)
+        return ModelArch.from_hf_config(get_preset(cfg.model) if folder is None else _read_config(folder))
+    return ModelArch.from_hf_config(_read_config(_weights_folder(cfg.model)[1]))
 
 
 def known_models_hint() -> str:
@@ -79,13 +93,18 @@ def known_models_hint() -> str:
     )
 
 
-def build_decoder(arch: ModelArch, device: torch.device, dtype: torch.dtype) -> Decoder:
-    """A Decoder with uninitialized weights allocated directly on `device` in `dtype` (no float32 CPU copy).
-
-    The rotary inverse frequencies stay float32 whatever `dtype` is.
+def build_decoder(
+    arch: ModelArch,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: TPShard | None = None,
+    comm: Collectives | None = None,
+) -> Decoder:
+    """A Decoder (this rank's `shard` of it) with uninitialized weights allocated directly on `device` in
+    `dtype` (no float32 CPU copy). The rotary inverse frequencies stay float32 whatever `dtype` is.
     """
     with torch.device("meta"):
-        decoder = Decoder(arch)
+        decoder = Decoder(arch, shard, comm)
     decoder = decoder.to(dtype=dtype).to_empty(device=device)
     decoder.inv_freq = rope_inv_freq(arch).to(device)  # [head_dim / 2] float32
     return decoder
@@ -93,17 +112,32 @@ def build_decoder(arch: ModelArch, device: torch.device, dtype: torch.dtype) -> 
 
 @torch.no_grad()
 def init_dummy_weights(decoder: Decoder, seed: int) -> None:
-    """Random weights ~ N(0, DUMMY_INIT_STD^2) drawn on the decoder's device from `seed`; norm weights 1."""
+    """Random weights ~ N(0, DUMMY_INIT_STD^2) drawn on the decoder's device from `seed`; norm weights 1.
+
+    A tensor-parallel rank draws every full weight in the same order as TP 1 and keeps its part, so the
+    weights (and the output) do not depend on the TP size."""
     device = decoder.embed_tokens.weight.device
     if device.type == "meta":  # shapes only (tests, memory planning): nothing to draw
         return
     gen = torch.Generator(device=device).manual_seed(seed)
     norm_params = {id(m.weight) for m in decoder.modules() if isinstance(m, RMSNorm)}
-    for param in decoder.parameters():
+    if not decoder.shard.is_parallel:
+        for param in decoder.parameters():
+            if id(param) in norm_params:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+        return
+    with torch.device("meta"):
+        full = Decoder(decoder.arch)  # shapes of the unsharded parameters, in the same order
+    params = dict(decoder.named_parameters())
+    for name, meta in full.named_parameters():
+        param = params[name]
         if id(param) in norm_params:
             param.fill_(1.0)
-        else:
-            param.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+            continue
+        drawn = torch.empty(meta.shape, dtype=param.dtype, device=device).normal_(0.0, DUMMY_INIT_STD, generator=gen)
+        param.copy_(shard_param(name, drawn, decoder.arch, decoder.shard))
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):

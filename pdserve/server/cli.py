@@ -8,7 +8,15 @@ import os
 import sys
 
 from pdserve.auth import load_secret
-from pdserve.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
+from pdserve.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    TransferConfig,
+)
 from pdserve.server.kv_transfer_config import parse_kv_transfer_config
 from pdserve.transfer.faults import NO_FAULTS, Faults
 
@@ -77,7 +85,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="torch intra-op threads on the CPU (default: all cores for --kv-role both, half for prefill/decode)",
+        help="torch intra-op threads on the CPU, per rank (default: all cores for --kv-role both, half for "
+        "prefill/decode; divided among tensor-parallel ranks)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many ranks, one process each (rank 0 serves HTTP and schedules; the "
+        "others are spawned and joined at shutdown); gloo on the CPU, NCCL on CUDA (rank r uses GPU r), "
+        "eager decode on CUDA (no CUDA graphs yet); attention heads must divide; --kv-role both only for now "
+        "(default 1)",
     )
 
     g = p.add_argument_group("KV cache and scheduler")
@@ -185,7 +204,11 @@ def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> Engine
     transfer.update({k: v for k, v in flags.items() if v is not None})
     secret = load_secret(args.kv_auth_secret, args.kv_auth_secret_file)
     transfer_config = TransferConfig(**transfer, faults=faults, auth_secret=secret, net_devices=args.kv_net_devices)
-    num_threads = args.num_threads if args.num_threads is not None else default_num_threads(transfer_config.role)
+    tp = args.tensor_parallel_size
+    if args.num_threads is not None:
+        num_threads = args.num_threads
+    else:
+        num_threads = max(1, default_num_threads(transfer_config.role) // max(tp, 1))
     if num_threads < 1:
         raise ConfigError(f"--num-threads must be >= 1, got {num_threads}")
     return EngineConfig(
@@ -206,6 +229,7 @@ def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> Engine
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         transfer=transfer_config,
+        parallel=ParallelConfig(tensor_parallel_size=tp),
     )
 
 
@@ -251,8 +275,9 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
     )
     t = config.transfer
     log.info(
-        "serving %s on http://%s:%d (kv role %s, transfer %s, engine id %s, %d torch threads)",
+        "serving %s on http://%s:%d (kv role %s, transfer %s, engine id %s, %d torch threads, tensor parallel %d)",
         args.model, args.host, args.port, t.role, t.mode, t.engine_id, config.model.num_threads,
+        config.parallel.tensor_parallel_size,
     )  # fmt: skip
     uv_config = uvicorn.Config(
         app,

@@ -1,0 +1,174 @@
+"""TPGroup: rank 0's handle on the other tensor-parallel ranks of an instance (their processes and pipes).
+
+Owned by LLMEngine. Life cycle, in this order (every wait has a deadline, and a rank process that exits
+ends the wait at once):
+  TPGroup(config)      spawns ranks 1..N-1 (multiprocessing spawn, engine/tp_rank.py), one pipe each;
+  connect()            waits for every rank's hello, then joins the process group as rank 0 (gloo on the
+                       CPU, NCCL on CUDA) -> the collectives rank 0's decoder uses;
+  wait_ready(n)        waits until every rank loaded its shard; refuses a rank whose block count is not n;
+  run_step(plan, f)    sends the step plan to every rank, then runs f (rank 0's forward pass) on it;
+  shutdown()           sends SHUTDOWN, joins every rank (terminate, then kill, past the deadline), leaves
+                       the process group. Always called (LLMEngine.shutdown, or a failed start).
+Plans go over the pipes as explicit int64 words (engine/step_plan.py), never pickle; activations and
+logits go through the process group. After any failed step the group is broken for good (the ranks may
+be out of step): every later step raises TPGroupError at once, and the engine reports itself unhealthy.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from pdserve.config import EngineConfig
+from pdserve.engine.step_plan import SHUTDOWN, Chunk, StepPlan, encode
+from pdserve.engine.tp_rank import RankSpec, decode_status, join_process_group, rank_device, run_rank
+from pdserve.model.parallel import ProcessGroupCollectives
+
+HELLO_TIMEOUT_S = 120.0  # a spawned rank imports torch (slow on a busy machine)
+READY_TIMEOUT_S = 1800.0  # a rank loads its shard of the checkpoint (large models: minutes)
+JOIN_TIMEOUT_S = 10.0  # shutdown: a rank leaves after SHUTDOWN within this long, or is terminated
+
+T = TypeVar("T")
+
+
+class TPGroupError(RuntimeError):
+    """A tensor-parallel rank died or a step failed: the instance cannot compute any more."""
+
+
+class TPGroup:
+    def __init__(self, config: EngineConfig) -> None:
+        self.size = config.parallel.tensor_parallel_size
+        self.device = config.model.device
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.broken: str | None = None  # why the group cannot run steps any more
+        self.procs: list[BaseProcess] = []  # rank r is procs[r - 1]
+        self.conns: list[Connection] = []  # rank 0's end of rank r's pipe is conns[r - 1]
+        self._joined_group = False
+        ctx = multiprocessing.get_context("spawn")
+        try:
+            for rank in range(1, self.size):
+                mine, theirs = ctx.Pipe()
+                spec = RankSpec(config, rank, self.init_method, os.getpid())
+                proc = ctx.Process(target=run_rank, args=(spec, theirs), name=f"pdserve-tp-rank{rank}", daemon=True)
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(mine)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def connect(self) -> ProcessGroupCollectives:
+        """Wait for every rank's hello and join the process group as rank 0."""
+        self._wait_all("hello", HELLO_TIMEOUT_S)
+        if dist.is_initialized():
+            raise TPGroupError("a tensor-parallel engine already runs in this process (one per process)")
+        device = rank_device(self.device, 0)
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(device)  # NCCL binds rank 0 to this GPU
+        join_process_group(device, 0, self.size, self.init_method)
+        self._joined_group = True
+        return ProcessGroupCollectives(self.size)
+
+    def wait_ready(self, num_blocks: int) -> None:
+        """Wait until every rank loaded its shard and allocated a KV cache of `num_blocks` blocks."""
+        for rank, msg in enumerate(self._wait_all("ready", READY_TIMEOUT_S), start=1):
+            if msg.get("num_blocks") != num_blocks:
+                raise TPGroupError(
+                    f"tensor-parallel rank {rank} has {msg.get('num_blocks')} KV blocks, rank 0 has {num_blocks}"
+                )
+
+    def run_step(self, plan: StepPlan, forward: Callable[[Sequence[Chunk]], T]) -> T:
+        """Send `plan` to every rank, then run rank 0's `forward` on its chunks; TPGroupError on any failure."""
+        if self.broken is not None:
+            raise TPGroupError(self.broken)
+        try:
+            self._check_alive()
+            data = encode(plan)
+            for conn in self.conns:
+                conn.send_bytes(data)
+            return forward(plan.chunks)
+        except Exception as e:
+            self.broken = self._describe_failure(e)
+            raise TPGroupError(self.broken) from e
+
+    def shutdown(self) -> None:
+        """Stop every rank and join it; leave the process group. Idempotent."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(encode(SHUTDOWN))
+            except OSError:
+                pass  # that rank is gone already
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+        if self._joined_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._joined_group = False
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                raise TPGroupError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def _describe_failure(self, error: Exception) -> str:
+        time.sleep(0.2)  # a rank that just died: let its exit be seen, so the message names it
+        dead = [
+            f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            for r, p in enumerate(self.procs, start=1)
+            if not p.is_alive()
+        ]
+        cause = f"{type(error).__name__}: {error}"
+        if dead:
+            return f"tensor-parallel {', '.join(dead)} ({cause}); the instance cannot run steps any more"
+        return f"tensor-parallel step failed ({cause}); the instance cannot run steps any more"
+
+    def _wait_all(self, kind: str, timeout_s: float) -> list[dict]:
+        """Every rank's next status message, which must be `kind`; TPGroupError on an error, exit or timeout."""
+        deadline = time.monotonic() + timeout_s
+        out = []
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
+            while not conn.poll(0.2):
+                if not proc.is_alive():
+                    raise TPGroupError(
+                        f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
+                        f"before it was {kind}"
+                    )
+                if time.monotonic() > deadline:
+                    raise TPGroupError(f"tensor-parallel rank {rank} not {kind} after {timeout_s:.0f} s")
+            try:
+                msg = decode_status(conn.recv_bytes())
+            except (EOFError, OSError) as e:
+                raise TPGroupError(f"tensor-parallel rank {rank} closed its pipe before it was {kind}") from e
+            if msg["type"] == "error":
+                raise TPGroupError(f"tensor-parallel rank {rank} failed: {msg.get('message')}")
+            if msg["type"] != kind:
+                raise TPGroupError(f"tensor-parallel rank {rank} sent {msg['type']!r}, expected {kind!r}")
+            out.append(msg)
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,152 @@
+"""A tensor-parallel rank other than 0: a spawned process that runs the model on its shard, step by step.
+
+Life cycle (rank 0's engine/tp_group.py drives it): say hello (torch imported), join the process group,
+load this rank's shard and allocate its KV cache slice, say ready (with its block count), then run every
+STEP plan rank 0 sends until SHUTDOWN, rank 0's death, or an error. It owns no thread. It ignores SIGINT
+(rank 0 decides when ranks stop) and leaves when rank 0's process is gone, so no rank outlives its engine.
+
+Status messages to rank 0 are msgpack maps {"v": STATUS_VERSION, "type": "hello" | "ready" | "error", ...}.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+
+from pdserve.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+STATUS_VERSION = 1  # 1: hello, ready (num_blocks), error (message)
+PARENT_POLL_S = 0.5  # an idle rank checks this often that rank 0 is alive
+COLLECTIVE_TIMEOUT_S = 120.0  # the process group's deadline for joining and for every collective
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a spawned rank needs to know (passed once, at spawn, on this host)."""
+
+    config: EngineConfig  # the instance's configuration (parallel.tensor_parallel_size = size)
+    rank: int  # 1 .. size - 1
+    init_method: str  # "tcp://127.0.0.1:PORT": rank 0's rendezvous store
+    parent_pid: int  # rank 0's process: the rank leaves when it is gone
+
+    @property
+    def size(self) -> int:
+        return self.config.parallel.tensor_parallel_size
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank `rank`'s torch device: the CPU for every rank, or the rank-th GPU counted from `device`'s."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{base + rank}"
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def encode_status(kind: str, **fields: Any) -> bytes:
+    return msgpack.packb({"v": STATUS_VERSION, "type": kind, **fields})
+
+
+def decode_status(data: bytes) -> dict[str, Any]:
+    """A status map; ValueError for anything else."""
+    msg = msgpack.unpackb(data)
+    if (
+        not isinstance(msg, dict)
+        or msg.get("v") != STATUS_VERSION
+        or msg.get("type") not in ("hello", "ready", "error")
+    ):
+        raise ValueError(f"not a rank status message of version {STATUS_VERSION}: {msg!r:.200}")
+    return msg
+
+
+def join_process_group(device: str, rank: int, size: int, init_method: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend_for(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
+def run_rank(spec: RankSpec, conn: Connection) -> None:
+    """The process's target (multiprocessing spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{spec.rank}: %(message)s")
+    try:
+        code = _serve(spec, conn)
+    except BaseException as e:
+        log.exception("rank %d failed", spec.rank)
+        try:
+            conn.send_bytes(encode_status("error", message=f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        code = 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
+
+
+def _serve(spec: RankSpec, conn: Connection) -> int:
+    import torch
+
+    from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
+    from pdserve.engine.runner import ModelRunner
+    from pdserve.engine.step_plan import PlanKind, decode
+    from pdserve.model.loader import TORCH_DTYPES, load_model
+    from pdserve.model.parallel import ProcessGroupCollectives
+
+    cfg = spec.config
+    device = rank_device(cfg.model.device, spec.rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    conn.send_bytes(encode_status("hello"))
+    join_process_group(device, spec.rank, spec.size, spec.init_method)
+    comm = ProcessGroupCollectives(spec.size)
+    loaded = load_model(cfg.model, spec.size, spec.rank, comm, device)
+    dtype = TORCH_DTYPES[cfg.model.dtype]
+    num_kv_heads = loaded.decoder.shard.num_kv_heads
+    num_blocks = num_blocks_for(cfg.cache, loaded.arch, dtype, num_kv_heads)
+    kv_cache = allocate_kv_cache(
+        loaded.arch, num_blocks, cfg.cache.block_size, dtype, torch.device(device), num_kv_heads
+    )
+    runner = ModelRunner(loaded.decoder, kv_cache, torch.device(device))
+    conn.send_bytes(encode_status("ready", num_blocks=num_blocks))
+    while True:
+        data = _receive(conn, spec.parent_pid)
+        if data is None:
+            log.warning("rank 0 is gone; rank %d leaves", spec.rank)
+            return 1
+        plan = decode(data)
+        if plan.kind == PlanKind.SHUTDOWN:
+            return 0
+        runner.forward(plan.chunks)
+
+
+def _receive(conn: Connection, parent_pid: int) -> bytes | None:
+    """The next message from rank 0, or None once rank 0's process or pipe is gone."""
+    while not conn.poll(PARENT_POLL_S):
+        if os.getppid() != parent_pid:
+            return None
+    try:
+        return conn.recv_bytes()
+    except (EOFError, OSError):
+        return None

@@ -1,0 +1,180 @@
+"""Tensor parallelism inside the decoder: which slice of every weight a rank holds, and the two collectives.
+
+A rank r of N holds (Megatron layout, as vLLM does):
+- query heads [r * H/N, (r+1) * H/N) and their rows of q_proj (column-parallel qkv_proj), their columns of
+  o_proj (row-parallel: each rank's product is a partial sum, all-reduced);
+- KV heads [r * K/N, (r+1) * K/N) when K % N == 0; when N % K == 0 (fewer KV heads than ranks) the one KV head
+  its query heads read, kv head r // (N/K), replicated on N/K ranks. GQA groups stay whole on a rank either way;
+- intermediate rows [r * I/N, (r+1) * I/N) of gate and of up (column-parallel gate_up_proj), the same columns
+  of down_proj (row-parallel, all-reduced);
+- vocabulary rows [r * V', (r+1) * V') of the embedding and the LM head, V' = ceil(V / N), zero-padded past
+  V: the embedding lookup is masked and all-reduced, the logits all-gathered and cut back to V.
+Norms, rotary tables and q/k norms are replicated. TP 1 is the shard that holds everything (no collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pdserve.config import ConfigError
+from pdserve.model.arch import ModelArch
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """The part of a model one tensor-parallel rank holds."""
+
+    rank: int  # 0 .. size - 1
+    size: int  # tensor_parallel_size
+    num_heads: int  # query heads on this rank
+    head_start: int  # first query head of the full model on this rank
+    num_kv_heads: int  # KV heads on this rank (and in its KV cache)
+    kv_head_start: int  # first KV head of the full model on this rank
+    intermediate_size: int  # MLP rows on this rank (of gate, and of up)
+    vocab_size: int  # the full model's vocabulary
+    vocab_per_rank: int  # embedding / LM-head rows on every rank, ceil(vocab_size / size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+
+def check_tp_split(arch: ModelArch, size: int) -> None:
+    """Raise ConfigError naming the head counts when `arch` cannot run on `size` ranks."""
+    h, k = arch.num_heads, arch.num_kv_heads
+    if h % size:
+        raise ConfigError(
+            f"tensor_parallel_size {size} does not divide the model's {h} attention heads "
+            f"(num_kv_heads {k}); choose a size that divides {h}"
+        )
+    if k % size and size % k:
+        raise ConfigError(
+            f"tensor_parallel_size {size} cannot split or replicate the model's {k} KV heads "
+            f"({h} attention heads): num_kv_heads must be a multiple of it, or it a multiple of num_kv_heads"
+        )
+    if arch.intermediate_size % size:
+        raise ConfigError(
+            f"tensor_parallel_size {size} does not divide the model's intermediate_size {arch.intermediate_size}"
+        )
+
+
+def shard_for(arch: ModelArch, size: int = 1, rank: int = 0) -> TPShard:
+    """Rank `rank` of `size`'s part of `arch` (the whole model for size 1); ConfigError if it cannot split."""
+    check_tp_split(arch, size)
+    if not 0 <= rank < size:
+        raise ConfigError(f"rank {rank} is outside tensor_parallel_size {size}")
+    h, k = arch.num_heads // size, arch.num_kv_heads
+    if k % size == 0:
+        k_local, k_start = k // size, rank * (k // size)
+    else:  # size % k == 0: size / k ranks share one KV head
+        k_local, k_start = 1, rank // (size // k)
+    return TPShard(
+        rank=rank,
+        size=size,
+        num_heads=h,
+        head_start=rank * h,
+        num_kv_heads=k_local,
+        kv_head_start=k_start,
+        intermediate_size=arch.intermediate_size // size,
+        vocab_size=arch.vocab_size,
+        vocab_per_rank=-(-arch.vocab_size // size),
+    )
+
+
+class Collectives(Protocol):
+    """What the decoder needs from the process group of its ranks (every rank calls each, in the same order)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of `x` over ranks (in place; returns x)."""
+        ...
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank r's part at [r * n, (r+1) * n)."""
+        ...
+
+
+class ProcessGroupCollectives:
+    """Collectives over a torch.distributed process group (gloo on the CPU, NCCL on CUDA); group None is the
+    default group, which need not exist yet when this object is made (only when a collective runs)."""
+
+    def __init__(self, size: int, group: torch.distributed.ProcessGroup | None = None) -> None:
+        self.size = size  # ranks in the group
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+# ---- slicing full (fused) weights into a rank's part ---------------------------------------------------------
+
+
+def _rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return t.narrow(0, start, n)
+
+
+def shard_qkv(full: torch.Tensor, arch: ModelArch, shard: TPShard) -> torch.Tensor:
+    """Fused qkv weight [(H + 2K) * d, hidden] (or bias [(H + 2K) * d]) -> this rank's [(h + 2k) * d, ...]."""
+    d = arch.head_dim
+    q, k, v = full.split([arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d])
+    return torch.cat(
+        [
+            _rows(q, shard.head_start * d, shard.num_heads * d),
+            _rows(k, shard.kv_head_start * d, shard.num_kv_heads * d),
+            _rows(v, shard.kv_head_start * d, shard.num_kv_heads * d),
+        ]
+    )
+
+
+def shard_gate_up(full: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """Fused [2 * I, hidden] -> this rank's [2 * I/N, hidden] (its rows of gate, then of up)."""
+    gate, up = full.chunk(2)
+    n = shard.intermediate_size
+    return torch.cat([_rows(gate, shard.rank * n, n), _rows(up, shard.rank * n, n)])
+
+
+def shard_columns(full: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """A row-parallel weight [out, in] -> columns [start, start + n)."""
+    return full.narrow(1, start, n)
+
+
+def shard_vocab(full: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """[V, hidden] -> this rank's [V', hidden] rows, zero-padded past V."""
+    start = min(shard.vocab_start, shard.vocab_size)
+    n = min(shard.vocab_per_rank, shard.vocab_size - start)
+    part = _rows(full, start, n)
+    if n == shard.vocab_per_rank:
+        return part
+    pad = full.new_zeros((shard.vocab_per_rank - n, *full.shape[1:]))
+    return torch.cat([part, pad])
+
+
+def shard_param(name: str, full: torch.Tensor, arch: ModelArch, shard: TPShard) -> torch.Tensor:
+    """The Decoder parameter `name` (its full, fused, unsharded value) -> this rank's part."""
+    if not shard.is_parallel:
+        return full
+    leaf = name.split(".")[-2]  # "layers.3.qkv_proj.weight" -> "qkv_proj"
+    if leaf == "qkv_proj":
+        return shard_qkv(full, arch, shard)
+    if leaf == "o_proj":
+        return shard_columns(full, shard.head_start * arch.head_dim, shard.num_heads * arch.head_dim)
+    if leaf == "gate_up_proj":
+        return shard_gate_up(full, shard)
+    if leaf == "down_proj":
+        return shard_columns(full, shard.rank * shard.intermediate_size, shard.intermediate_size)
+    if leaf in ("embed_tokens", "lm_head"):
+        return shard_vocab(full, shard)
+    return full  # norms: replicated
