@@ -57,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds for a backend's /health or /kv_transfer/info to answer (default 5)",
     )
     p.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=2.0,
+        help="poll every instance's /health this often; an instance that fails is routed around until it "
+        "answers again, and one that restarted (new epoch) has its cached coordinates dropped (default 2)",
+    )
+    p.add_argument(
         "--max-body-mb",
         type=float,
         default=32.0,
@@ -101,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             policy=args.policy,
             connect_timeout_s=args.connect_timeout_s,
             health_timeout_s=args.health_timeout_s,
+            health_interval_s=args.health_interval_s,
             max_body_bytes=int(args.max_body_mb * 2**20),
             api_key=args.api_key,
             kv_auth_secret=secret,

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.auth import DEFAULT_TTL_S
+from pdserve.router.health import HealthMonitor
 from pdserve.router.policy import MODES, Lease, Pool
 from pdserve.router.prompt_len import estimate_prompt_tokens
 from pdserve.router.upstream import LegError, get_json, open_stream, post_json
@@ -124,6 +125,7 @@ class Orchestrator:
         self.num_whole = 0  # calls sent whole to one instance so far (all of them in colocated mode)
         self._prefill_info: dict[str, asyncio.Future[dict[str, Any]]] = {}  # P URL -> its /kv_transfer/info
         self._background: set[asyncio.Task[Any]] = set()  # P legs still finishing after D answered
+        self.monitor: HealthMonitor | None = None  # set by the app: re-checks before a refusal for health
 
     @property
     def prefill(self) -> Pool:
@@ -174,6 +176,11 @@ class Orchestrator:
     # --- pull -------------------------------------------------------------------------------------------
 
     async def _pull(self, call: Call) -> Response:
+        if not self.decode.has_healthy() and self.monitor is not None:
+            await self.monitor.check_pool(self.decode)  # the marks may be up to one interval old
+        if not self.decode.has_healthy():  # refuse before P spends a prefill (and pins blocks) for nothing
+            urls = ", ".join(b.url for b in self.decode.backends)
+            raise LegError("decode", urls, f"no healthy decode instance ({urls}); retry later", status=503)
         p = self.prefill.choose()
         call.prefill_url = p.url
         with self.prefill.lease(p):
@@ -201,19 +208,24 @@ class Orchestrator:
         d = self.decode.choose()
         call.decode_url = d.url
         d_body = {**call.body, "kv_transfer_params": None if kv is None else encode(kv)}
-        if not call.is_stream:
-            with self.decode.lease(d):
-                answer = await race_disconnect(
-                    post_json(self.session, "decode", d.url, call.path, d_body, call.headers), call.http
-                )
-            return JSONResponse(answer, headers=call.headers)
-        d_lease = self.decode.lease(d)
         try:
-            resp = await race_disconnect(
-                open_stream(self.session, "decode", d.url, call.path, d_body, call.headers), call.http
-            )
-        except BaseException:
-            d_lease.release()
+            if not call.is_stream:
+                with self.decode.lease(d):
+                    answer = await race_disconnect(
+                        post_json(self.session, "decode", d.url, call.path, d_body, call.headers), call.http
+                    )
+                return JSONResponse(answer, headers=call.headers)
+            d_lease = self.decode.lease(d)
+            try:
+                resp = await race_disconnect(
+                    open_stream(self.session, "decode", d.url, call.path, d_body, call.headers), call.http
+                )
+            except BaseException:
+                d_lease.release()
+                raise
+        except BaseException:  # D never took the KV (down, refused, client gone): P's pin is freed now
+            if isinstance(kv, PullSource):
+                self._release_on(p.url, {"request_id": kv.request_id}, call)
             raise
         return self._relay_stream(call, resp, d_lease, [], "decode")
 
@@ -253,6 +265,7 @@ class Orchestrator:
             if not succeeded:
                 d_lease.release()
                 self._prefill_info.pop(p.url, None)  # P may have restarted with new coordinates
+                self._release_on(p.url, {"transfer_id": transfer_id}, call)  # P may hold the prefill pinned
                 for t in (p_task, d_task):
                     t.cancel()
                 results = await asyncio.gather(p_task, d_task, return_exceptions=True)
@@ -267,6 +280,25 @@ class Orchestrator:
     async def _leased(self, lease: Lease, body: dict[str, Any], call: Call, leg: str) -> dict[str, Any]:
         with lease:
             return await post_json(self.session, leg, lease.backend.url, call.path, body, call.headers)
+
+    def forget_prefill_info(self, url: str) -> None:
+        """Drop P's cached /kv_transfer/info (P restarted: its next request fetches the new coordinates)."""
+        self._prefill_info.pop(url, None)
+
+    def _release_on(self, p_url: str, which: dict[str, str], call: Call) -> None:
+        """Tell P, in the background, to free the KV it pinned for a decode leg that will never take it
+        (POST /kv_transfer/release; 404 = already gone, which is fine)."""
+
+        async def release() -> None:
+            try:
+                await post_json(self.session, "prefill", p_url, "/kv_transfer/release", which, call.headers)
+            except LegError as e:
+                if e.status != 404:
+                    log.warning("request %s: releasing %s on %s failed: %s", call.request_id, which, p_url, e)
+
+        task = asyncio.create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _finish_in_background(self, task: asyncio.Task[Any], call: Call) -> None:
         """Let a P leg that is still answering finish on its own, logging a failure."""

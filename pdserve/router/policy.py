@@ -17,6 +17,8 @@ MODES = ("pull", "push", "colocated")  # pull/push: a prefill and a decode leg; 
 class Backend:
     url: str  # base URL, no trailing slash: http://127.0.0.1:8100
     num_outstanding: int = 0  # legs sent to it and not answered yet (streams count until they end)
+    healthy: bool = True  # its last /health check answered 200 (router/health.py); until the first, assumed
+    epoch: str | None = None  # the process epoch its /health reports: a new one means it restarted
 
 
 class Pool:
@@ -36,11 +38,21 @@ class Pool:
         self._cycle = itertools.cycle(range(len(self.backends)))
         self._next_tie = itertools.count()  # rotates ties among equally loaded backends
 
+    def has_healthy(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
     def choose(self) -> Backend:
+        """A backend by the policy, among the healthy ones (all of them when none is healthy: the leg then
+        fails with the backend's own error rather than the router guessing)."""
+        candidates = [b for b in self.backends if b.healthy] or self.backends
         if self.policy == "round-robin":
-            return self.backends[next(self._cycle)]
-        least = min(b.num_outstanding for b in self.backends)
-        tied = [b for b in self.backends if b.num_outstanding == least]
+            for _ in range(len(self.backends)):
+                b = self.backends[next(self._cycle)]
+                if b in candidates:
+                    return b
+            return candidates[0]
+        least = min(b.num_outstanding for b in candidates)
+        tied = [b for b in candidates if b.num_outstanding == least]
         return tied[next(self._next_tie) % len(tied)]
 
     def lease(self, backend: Backend) -> Lease:

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.router.health import HealthMonitor
 from pdserve.router.orchestrate import Call, Orchestrator
 from pdserve.router.policy import MODES, POLICIES, Pool
 from pdserve.router.upstream import LegError, get_json, make_session
@@ -47,6 +48,7 @@ class RouterConfig:
     policy: str = "least-loaded"  # or "round-robin"
     connect_timeout_s: float = 10.0  # to open a connection to a backend
     health_timeout_s: float = 5.0  # for each backend's /health and P's /kv_transfer/info
+    health_interval_s: float = 2.0  # every backend's /health is polled this often (router/health.py)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are refused with 413
     api_key: str | None = None  # clients must send it, and the router sends it to every instance
     kv_auth_secret: bytes | None = field(default=None, repr=False)  # signs push capabilities (auth.py)
@@ -56,6 +58,8 @@ class RouterConfig:
             raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not self.health_interval_s > 0 or not self.health_timeout_s > 0:
+            raise ValueError("--health-interval-s and --health-timeout-s must be > 0")
         if self.kv_auth_secret is not None and len(self.kv_auth_secret) < 16:
             raise ValueError("the KV auth secret must be at least 16 bytes")
         if self.mode == "colocated":
@@ -106,9 +110,20 @@ def build_app(config: RouterConfig) -> FastAPI:
             config.colocate_below,
             KVAuth(config.kv_auth_secret),
         )
+        pools = [pool for pool in (prefill, decode) if pool is not None]
+        monitor = HealthMonitor(
+            pools,
+            session,
+            config.health_interval_s,
+            config.health_timeout_s,
+            holder["orchestrator"].forget_prefill_info,
+        )
+        holder["orchestrator"].monitor = monitor
+        monitor.start()  # stopped below, before the session closes
         try:
             yield
         finally:
+            await monitor.stop()
             await session.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)

@@ -103,6 +103,7 @@ class ServerState:
         self.engine = engine
         self.kv_auth = kv_auth  # checks capabilities on kv_transfer_params (event loop only)
         self.limits = limits
+        self.epoch = uuid.uuid4().hex  # this process's identity: a router seeing another one knows it restarted
         self.num_inflight = 0  # requests admitted and not closed yet (event loop only)
         self._served_model_names = served_model_names
         self.on_start_failure = on_start_failure
@@ -212,7 +213,7 @@ def build_app(
             state.check_ready()
         except ApiError as e:  # polled while loading: answered without a log line
             return error_response(e.status, e.message)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "epoch": state.epoch})
 
     @app.get("/v1/models")
     async def models() -> Response:

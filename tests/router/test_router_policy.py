@@ -75,3 +75,16 @@ def test_router_imports_neither_engine_nor_torch() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "round-robin"])
+def test_unhealthy_backends_are_routed_around_and_taken_back(policy: str) -> None:
+    pool = Pool("decode", ["http://a", "http://b", "http://c"], policy)
+    a, b, c = pool.backends
+    b.healthy = False
+    assert {pool.choose().url for _ in range(12)} == {"http://a", "http://c"}
+    a.healthy = c.healthy = False
+    assert not pool.has_healthy()
+    assert pool.choose() in pool.backends  # none healthy: the leg fails with the backend's own error
+    b.healthy = True
+    assert all(pool.choose() is b for _ in range(6))
