@@ -1,0 +1,81 @@
+"""Tensor parallelism on GPUs: TP 1 vs TP N on the same random-weight shape, greedy tokens and speed, one run.
+
+    python scripts/bench_tp_gpu.py [--model qwen3-8b] [--tp 2] [--out tp.json]
+
+For each TP size: load the dummy bf16 model (the engine spawns N - 1 rank processes, NCCL), generate greedy
+tokens for a few prompts (compared across TP sizes: bf16 near-ties may flip a token late), then time decode
+at batch 1 and 8 (ms per token: (generate(1 + n) - generate(1)) / n) and one 8k-token prefill. Prints a table,
+writes JSON; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from pdserve import LLM, SamplingParams
+
+
+def timed(llm: LLM, prompts: list[list[int]], n: int) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    llm.generate(prompts, SamplingParams.greedy(n, ignore_eos=True))
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def measure(model: str, tp: int, prompts: list[list[int]]) -> dict:
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda", tensor_parallel_size=tp,
+              kv_cache_memory_gib=8, max_num_batched_tokens=8192, enable_prefix_caching=False)  # fmt: skip
+    try:
+        tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(32, ignore_eos=True))]
+        out: dict = {"tp": tp, "tokens": tokens, "decode_ms_per_token": {}}
+        for batch in (1, 8):
+            ps = (prompts * 8)[:batch]
+            n = 64
+            base = statistics.median(timed(llm, ps, 1) for _ in range(3))
+            full = statistics.median(timed(llm, ps, 1 + n) for _ in range(3))
+            out["decode_ms_per_token"][str(batch)] = round((full - base) / n * 1e3, 3)
+        long = [[(i * 7919) % 30000 + 100 for i in range(8192)]]
+        out["prefill_ms_8192"] = round(statistics.median(timed(llm, long, 1) for _ in range(3)) * 1e3, 2)
+        return out
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    prompts = [[(p * 131 + i * 17) % 30000 + 100 for i in range(64 + 32 * p)] for p in range(4)]
+    rows = [measure(a.model, 1, prompts), measure(a.model, a.tp, prompts)]
+    same = [x == y for x, y in zip(rows[0]["tokens"], rows[1]["tokens"], strict=True)]
+    first_diff = [
+        next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), None)
+        for x, y in zip(rows[0]["tokens"], rows[1]["tokens"], strict=True)
+    ]
+    print(f"\n{a.model}, bf16, dummy weights; greedy 32 tokens x 4 prompts, TP {a.tp} == TP 1: {same}"
+          f" (first differing token: {first_diff})")  # fmt: skip
+    print(f"{'tp':>3} {'decode b=1':>11} {'decode b=8':>11} {'prefill 8k':>11}")
+    for r in rows:
+        d = r["decode_ms_per_token"]
+        print(f"{r['tp']:3d} {d['1']:11.2f} {d['8']:11.2f} {r['prefill_ms_8192']:11.1f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"model": a.model, "date": time.strftime("%Y-%m-%d"), "same_tokens": same,
+                       "first_diff": first_diff,
+                       "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
