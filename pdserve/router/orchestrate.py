@@ -180,7 +180,8 @@ class Orchestrator:
             await self.monitor.check_pool(self.decode)  # the marks may be up to one interval old
         if not self.decode.has_healthy():  # refuse before P spends a prefill (and pins blocks) for nothing
             urls = ", ".join(b.url for b in self.decode.backends)
-            raise LegError("decode", urls, f"no healthy decode instance ({urls}); retry later", status=503)
+            message = f"no healthy decode instance ({urls}); retry later"
+            raise LegError("decode", urls, message, status=503, retry_after="1")
         p = self.prefill.choose()
         call.prefill_url = p.url
         with self.prefill.lease(p):

@@ -148,7 +148,8 @@ def build_app(config: RouterConfig) -> FastAPI:
             return await orchestrator.handle(call)
         except LegError as e:
             status = e.status
-            return JSONResponse(e.body, status_code=e.status, headers=call.headers)
+            headers = {**call.headers, **({"Retry-After": e.retry_after} if e.retry_after else {})}
+            return JSONResponse(e.body, status_code=e.status, headers=headers)
         except ClientDisconnected:
             status = 499
             return Response(status_code=499)

@@ -1,8 +1,9 @@
 """HTTP calls from the router to its backends over one pooled aiohttp session, with failures named by leg.
 
 A failure becomes LegError: a backend's own 4xx answer is passed through to the client as is (the client
-sent something wrong); an unreachable backend, a 5xx or a broken answer becomes a 502 whose message names
-the leg ("prefill" or "decode") and the backend's URL.
+sent something wrong), and so is a 503 with its Retry-After (the backend is full or loading: the client should
+retry); an unreachable backend, another 5xx or a broken answer becomes a 502 whose message names the leg
+("prefill" or "decode") and the backend's URL.
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ from pdserve.web import error_body
 class LegError(Exception):
     """One leg of a request failed; `status` and `body` are what the client gets."""
 
-    def __init__(self, leg: str, url: str, message: str, status: int = 502, body: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        leg: str,
+        url: str,
+        message: str,
+        status: int = 502,
+        body: dict[str, Any] | None = None,
+        retry_after: str | None = None,
+    ):
         super().__init__(message)
+        self.retry_after = retry_after  # seconds, for the client's Retry-After header (503s)
         self.leg = leg  # "prefill" | "decode"
         self.url = url
         self.status = status
@@ -50,6 +60,9 @@ async def _fail_from_response(leg: str, url: str, resp: aiohttp.ClientResponse) 
     except ValueError:
         payload = None
     message = _error_message(payload, text)
+    if resp.status == 503:  # the backend is busy (admission control) or loading: the client should retry
+        body = payload if isinstance(payload, dict) else error_body(503, message)
+        return LegError(leg, url, message, status=503, body=body, retry_after=resp.headers.get("Retry-After", "1"))
     if 400 <= resp.status < 500:  # the backend refused the request itself: pass its answer through
         body = payload if isinstance(payload, dict) else error_body(resp.status, message)
         return LegError(leg, url, message, status=resp.status, body=body)
