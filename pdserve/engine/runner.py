@@ -9,7 +9,8 @@ forward() runs the same collectives. Rank 0 alone samples. Any failure of a tens
 TPGroupError: the ranks may no longer be in step, so the group is unusable from then on.
 
 On CUDA (fused decoder, TP 1) steps whose rows are all single-token decodes replay a captured CUDA graph
-(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. TP > 1 runs eagerly on CUDA.
+(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. TP > 1 and models with sliding-window
+layers (their attention takes the portable path, model/attention.py) run eagerly on CUDA.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class ModelRunner:
         self.ranks = ranks
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps
         use_cuda_graphs = use_cuda_graphs and not decoder.shard.is_parallel  # TP on CUDA: eager for now
+        use_cuda_graphs = use_cuda_graphs and not decoder.arch.is_windowed  # windowed layers: portable attention
         if use_cuda_graphs and decoder.uses_fused_kernels(device):
             from pdserve.engine.cuda_graphs import DecodeGraphs, max_blocks_per_seq
 
