@@ -19,7 +19,7 @@ False` forces the portable path (benchmarks compare the two).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -28,6 +28,7 @@ from torch import nn
 
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable, paged_attention
+from pdserve.model.kv_groups import KVGroups
 from pdserve.model.paged import AttentionContext, layer_view, write_kv
 from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 
@@ -192,6 +193,8 @@ class Decoder(nn.Module):
         vocab = self.shard.vocab_per_rank  # the whole vocabulary at TP 1
         self.embed_tokens = nn.Embedding(vocab, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, self.shard, self.comm, i) for i in range(arch.num_layers))
+        self.kv_groups = KVGroups.of(arch.layer_windows, arch.num_layers)  # model/kv_groups.py
+        self._layer_slots = self.kv_groups.layer_slots()  # layer -> (group, slot in a block)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
@@ -216,21 +219,31 @@ class Decoder(nn.Module):
         self.inv_freq = rope_inv_freq(self.arch).to(device)
         self.inv_freq_local = rope_inv_freq(self.arch, local=True).to(device)
 
+    def _layer_caches(
+        self, kv_cache: torch.Tensor, ctx: AttentionContext | Sequence[AttentionContext]
+    ) -> list[tuple[torch.Tensor, AttentionContext]]:
+        """(cache view, context) of every layer. One context: every layer reads the same block tables from a
+        cache of num_layers per block. One context per KV group (model/kv_groups.py): layer i reads its
+        group's tables and its slot of a cache of layers_per_block per block."""
+        if isinstance(ctx, AttentionContext):
+            return [(layer_view(kv_cache, i), ctx) for i in range(self.arch.num_layers)]
+        return [(layer_view(kv_cache, slot), ctx[g]) for g, slot in self._layer_slots]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        ctx: AttentionContext,
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers (or layers_per_block), 2, block_size, kv heads, head_dim]
+        ctx: AttentionContext | Sequence[AttentionContext],  # one, or one per KV group
     ) -> torch.Tensor:
         if self.uses_fused_kernels(input_ids.device):
             return self._forward_fused(input_ids, positions, kv_cache, ctx)
         x = self.embed(input_ids)
         cos, sin = self._cos_sin(positions, self.inv_freq, x.dtype)
         local = self._cos_sin(positions, self.inv_freq_local, x.dtype) if self.arch.local_rope_theta else None
-        for i, layer in enumerate(self.decoder_layers):
+        for layer, (cache, layer_ctx) in zip(self.decoder_layers, self._layer_caches(kv_cache, ctx), strict=True):
             c, s = local if layer.local_rope and local is not None else (cos, sin)
-            x = layer(x, c, s, layer_view(kv_cache, i), ctx)
+            x = layer(x, c, s, cache, layer_ctx)
         return self.norm(x)
 
     @staticmethod
@@ -242,7 +255,11 @@ class Decoder(nn.Module):
         return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
 
     def _forward_fused(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        ctx: AttentionContext | Sequence[AttentionContext],
     ) -> torch.Tensor:
         from pdserve.model.cuda_kernels import add_rmsnorm, rope_cos_sin
 
@@ -250,10 +267,8 @@ class Decoder(nn.Module):
             self._rope_table = rope_cos_sin(self.inv_freq.to(input_ids.device), self.arch.max_position_embeddings)
         x, residual = self.embed(input_ids), None
         gemv = input_ids.shape[0] <= min(self.gemv_max_rows, 1)  # the GEMV kernel takes one row
-        for i, layer in enumerate(self.decoder_layers):
-            x, residual = layer.forward_fused(
-                x, residual, positions, self._rope_table, layer_view(kv_cache, i), ctx, gemv
-            )
+        for layer, (cache, layer_ctx) in zip(self.decoder_layers, self._layer_caches(kv_cache, ctx), strict=True):
+            x, residual = layer.forward_fused(x, residual, positions, self._rope_table, cache, layer_ctx, gemv)
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
