@@ -43,7 +43,7 @@ def build_byte_tokenizer(add_bos: bool, chat_template: str | None = CHAT_TEMPLAT
 
 def _tiny_configs() -> dict[str, tuple[Any, bool]]:
     """name -> (transformers config, tokenizer adds BOS)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB,
@@ -71,6 +71,26 @@ def _tiny_configs() -> dict[str, tuple[Any, bool]]:
         "mistral": (MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None), True),
         "qwen2": (Qwen2Config(**common, tie_word_embeddings=False), False),
         "qwen3": (Qwen3Config(**common, head_dim=32, tie_word_embeddings=False), False),
+        # sliding windows, as transformers builds them from these configs (prompts of the tests run past them):
+        # every layer sees the last 10 keys (2.5 blocks of 4)
+        "mistral_swa": (MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=10), True),
+        # layer 0 full, layer 1 the last 7 keys
+        "qwen2_swa": (Qwen2Config(**common, use_sliding_window=True, sliding_window=7, max_window_layers=1), False),
+        # local, global, local, global (pattern 2); its own norms, GELU-tanh, embedding scale, q/k norms,
+        # query_pre_attn_scalar, local rotary base 100 vs global 10000 with linear scaling, logit softcapping
+        "gemma3": (
+            Gemma3TextConfig(
+                **{**common, "num_hidden_layers": 4},
+                head_dim=16,
+                sliding_window=6,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=24,
+                rope_local_base_freq=100.0,
+                rope_scaling={"rope_type": "linear", "factor": 2.0},
+                final_logit_softcapping=5.0,
+            ),
+            True,
+        ),
     }
 
 

@@ -198,6 +198,10 @@ class BlockPool:
             hits.append(block_id)
         return hits
 
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block registered under this hash, or None (prefix caching off, or not cached)."""
+        return self._cached.get(block_hash) if self.enable_prefix_caching else None
+
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cached blocks found by lookup()."""
         for block_id in block_ids:

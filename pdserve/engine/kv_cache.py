@@ -6,6 +6,10 @@ layers the model has (a layer-major cache needs 2 x layers descriptors per scatt
 layer through model.attention.layer_view(): a strided [2, num_blocks, block_size, num_kv_heads, head_dim] view
 whose block stride is num_layers * 2 * block_size * num_kv_heads * head_dim elements.
 
+Sliding-window and hybrid models (model/kv_groups.py): a block holds the layers of one KV group,
+[num_blocks, layers_per_block, 2, block_size, num_kv_heads, head_dim]; with one group (every model whose layers
+share one attention type) layers_per_block = num_layers and all of the above holds as is.
+
 Tokens before heads inside a block (not [..., num_kv_heads, block_size, head_dim]), decided on cost:
 - whole-block transfers, the case that matters, are one range either way;
 - a partial block (prefix hit, last block, P and D block sizes differ) stays one range per (layer, K/V) with
@@ -23,14 +27,20 @@ import torch
 
 from pdserve.config import CacheConfig, ConfigError
 from pdserve.model.arch import ModelArch
+from pdserve.model.kv_groups import KVGroups
 from pdserve.transfer.base import KVCacheSpec
 
 
+def layers_per_block(arch: ModelArch) -> int:
+    """Layers one KV block holds: all of them, or one KV group's (model/kv_groups.py)."""
+    return KVGroups.of(arch.layer_windows, arch.num_layers).layers_per_block
+
+
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-    """K and V of one block across all layers (of `num_kv_heads` heads: a tensor-parallel rank's; default all)."""
+    """K and V of one block across its layers (of `num_kv_heads` heads: a tensor-parallel rank's; default all)."""
     elem = torch.empty((), dtype=dtype).element_size()
     heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * arch.num_layers * block_size * heads * arch.head_dim * elem
+    return 2 * layers_per_block(arch) * block_size * heads * arch.head_dim * elem
 
 
 def num_blocks_for(cfg: CacheConfig, arch: ModelArch, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
@@ -51,9 +61,9 @@ def allocate_kv_cache(
     device: torch.device,
     num_kv_heads: int | None = None,  # a tensor-parallel rank's KV heads; default all of the model's
 ) -> torch.Tensor:
-    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zeroed."""
+    """[num_blocks, layers_per_block, 2, block_size, num_kv_heads, head_dim], zeroed."""
     heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-    shape = (num_blocks, arch.num_layers, 2, block_size, heads, arch.head_dim)
+    shape = (num_blocks, layers_per_block(arch), 2, block_size, heads, arch.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

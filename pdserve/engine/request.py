@@ -28,7 +28,10 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)  # block i holds tokens [i*block_size, (i+1)*block_size)
+    # one table per KV group (model/kv_groups.py; one for most models): entry i holds tokens
+    # [i*block_size, (i+1)*block_size) of that group's layers; a windowed group's entries before its window are
+    # kv_groups.STALE (freed). The scheduler sizes the list to the number of groups.
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache or a remote prefill
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
@@ -41,6 +44,11 @@ class Request:
     error: str | None = None
     timeline: dict[str, float] = field(default_factory=dict)  # event -> time.time()
     output_sent: int = 0  # tokens already handed out in RequestOutputs
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table (the whole table of a one-group model; what transfers and P/D address)."""
+        return self.block_tables[0]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,7 +9,8 @@ forward() runs the same collectives. Rank 0 alone samples. Any failure of a tens
 TPGroupError: the ranks may no longer be in step, so the group is unusable from then on.
 
 On CUDA (fused decoder, TP 1) steps whose rows are all single-token decodes replay a captured CUDA graph
-(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. TP > 1 runs eagerly on CUDA.
+(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. TP > 1 and models with sliding-window
+layers (their attention takes the portable path, model/attention.py) run eagerly on CUDA.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class ModelRunner:
         self.ranks = ranks
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps
         use_cuda_graphs = use_cuda_graphs and not decoder.shard.is_parallel  # TP on CUDA: eager for now
+        use_cuda_graphs = use_cuda_graphs and not decoder.arch.is_windowed  # windowed layers: portable attention
         if use_cuda_graphs and decoder.uses_fused_kernels(device):
             from pdserve.engine.cuda_graphs import DecodeGraphs, max_blocks_per_seq
 
@@ -93,32 +95,47 @@ class ModelRunner:
         tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
         return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
 
-    def _prepare(self, chunks: Sequence[Chunk]) -> tuple[AttentionContext, torch.Tensor, torch.Tensor, list[int]]:
-        bs = self.block_size
+    def _prepare(
+        self, chunks: Sequence[Chunk]
+    ) -> tuple[AttentionContext | list[AttentionContext], torch.Tensor, torch.Tensor, list[int]]:
+        """The step's inputs: one AttentionContext, or one per KV group (model/kv_groups.py) when the model has
+        several; token ids [T], positions [T], and the rows whose logits are sampled."""
         ids: list[int] = []
         pos: list[int] = []
+        sample_rows: list[int] = []
+        for c in chunks:
+            ids.extend(c.token_ids)
+            pos.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
+            if c.sample:
+                sample_rows.append(len(ids) - 1)
+        num_groups = self.decoder.kv_groups.num_groups
+        ctxs = [self._context(chunks, g, len(ids)) for g in range(num_groups)]
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return (ctxs[0] if num_groups == 1 else ctxs), t(ids), t(pos), sample_rows
+
+    def _context(self, chunks: Sequence[Chunk], group: int, num_rows: int) -> AttentionContext:
+        """The AttentionContext of one KV group: its slots and block tables (a windowed group's STALE entries
+        before the window are never read, model/attention.py)."""
+        bs = self.block_size
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
         dec_rows: list[int] = []
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
-        sample_rows: list[int] = []
+        row0 = 0
         for c in chunks:
             start, n = c.start_pos, len(c.token_ids)
-            row0 = len(ids)
-            ids.extend(c.token_ids)
-            pos.extend(range(start, start + n))
-            slots.extend(c.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            blocks = c.block_tables[group]
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx_len = start + n
-            table = list(c.block_ids[: -(-ctx_len // bs)])
+            table = list(blocks[: -(-ctx_len // bs)])
             if n == 1:
                 dec_rows.append(row0)
                 dec_tables.append(table)
                 dec_lens.append(ctx_len)
             else:
                 prefills.append(PrefillSpan(row0, n, ctx_len, torch.tensor(table, device=self.device)))
-            if c.sample:
-                sample_rows.append(row0 + n - 1)
+            row0 += n
         decode = None
         if dec_rows:
             width = max(len(t) for t in dec_tables)
@@ -129,10 +146,8 @@ class ModelRunner:
                 context_lens=torch.tensor(dec_lens, device=self.device),
                 max_context_len=max(dec_lens),
                 is_uniform=min(dec_lens) == max(dec_lens),
-                rows_are_all=len(dec_rows) == len(ids),
+                rows_are_all=len(dec_rows) == num_rows,
             )
-        ctx = AttentionContext(
+        return AttentionContext(
             slot_mapping=torch.tensor(slots, device=self.device), prefills=prefills, decode=decode, block_size=bs
         )
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return ctx, t(ids), t(pos), sample_rows

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool, hash_block
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.model.kv_groups import STALE, KVGroups
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import ConnectorScheduler
 from pdserve.transfer.params import PullSource, PushSource
@@ -26,10 +27,15 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]  # tokens at positions [start_pos, start_pos + len)
     start_pos: int  # = the request's num_computed_tokens before this step
-    block_ids: list[int]  # all the request's blocks (covering start_pos + len tokens)
+    block_tables: list[list[int]]  # the request's blocks per KV group (covering start_pos + len tokens)
     sample: bool  # this chunk ends at the request's last token: sample the next one
     params: SamplingParams
     num_output_tokens: int  # generated so far (sampling seed step)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's blocks (all of them for a one-group model)."""
+        return self.block_tables[0]
 
 
 @dataclass
@@ -45,11 +51,18 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, cfg: SchedulerConfig, pool: BlockPool, block_size: int, max_model_len: int, connector: ConnectorScheduler
+        self,
+        cfg: SchedulerConfig,
+        pool: BlockPool,
+        block_size: int,
+        max_model_len: int,
+        connector: ConnectorScheduler,
+        kv_groups: KVGroups | None = None,  # default: one group of full-attention layers
     ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
+        self.kv_groups = kv_groups or KVGroups.of((), 1)
         self.max_model_len = max_model_len
         self.connector = connector
         self.waiting: deque[Request] = deque()
@@ -63,6 +76,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a new request; raises KVParamsError (nothing queued) for params the connector cannot serve."""
         req.needs_remote_kv = self.connector.needs_remote_kv(req.request_id, req.kv_transfer_params)
+        req.block_tables = [[] for _ in self.kv_groups.groups]
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -203,6 +217,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += len(chunk.token_ids)
             self._cache_full_blocks(req)
+            self._free_out_of_window(req)
             token = sampled.get(chunk.request_id)
             if token is None:
                 continue
@@ -224,7 +239,7 @@ class Scheduler:
             request_id=req.request_id,
             token_ids=tokens,
             start_pos=start,
-            block_ids=list(req.block_ids),
+            block_tables=[list(t) for t in req.block_tables],
             sample=start + num_new == req.num_tokens,
             params=req.params,
             num_output_tokens=len(req.output_token_ids),
@@ -234,12 +249,15 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def _allocate_to(self, req: Request, num_tokens: int) -> bool:
-        need = self._blocks_for(num_tokens) - len(req.block_ids)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free:
+        """Grow every group's table to hold num_tokens; False (nothing taken) when the pool has too few blocks."""
+        want = self._blocks_for(num_tokens)
+        needs = [want - len(t) for t in req.block_tables]
+        if sum(n for n in needs if n > 0) > self.pool.num_free:
             return False
-        req.block_ids.extend(self.pool.allocate(need, after=req.block_ids[-1] if req.block_ids else None))
+        for table, need in zip(req.block_tables, needs, strict=True):
+            if need > 0:
+                last = table[-1] if table and table[-1] != STALE else None
+                table.extend(self.pool.allocate(need, after=last))
         return True
 
     def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -268,8 +286,18 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _free_blocks(self, req: Request) -> None:
-        self.pool.free(reversed(req.block_ids))
-        req.block_ids = []
+        for table in req.block_tables:
+            self.pool.free(b for b in reversed(table) if b != STALE)
+        req.block_tables = [[] for _ in self.kv_groups.groups]
+
+    def _free_out_of_window(self, req: Request) -> None:
+        """Give back every windowed group's blocks that no later query of the request can read."""
+        for g, table in enumerate(req.block_tables):
+            first = min(self.kv_groups.first_live_block(g, req.num_computed_tokens, self.block_size), len(table))
+            dead = [b for b in table[:first] if b != STALE]
+            if dead:
+                self.pool.free(reversed(dead))  # registered ones stay evictable prefix-cache entries
+                table[:first] = [STALE] * first
 
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Chained hashes of the request's first num_blocks full blocks (memoised on the request)."""
@@ -283,11 +311,42 @@ class Scheduler:
     def _take_prefix_hits(self, req: Request) -> None:
         # at least one token must be computed (its logits give the next token), so cap at num_tokens - 1
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hits = self.pool.lookup(self._hashes(req, max_blocks)) if self.pool.enable_prefix_caching else []
-        self.pool.touch(hits)
-        req.block_ids = list(hits)
-        req.num_computed_tokens = req.num_cached_tokens = len(hits) * self.block_size
-        req.num_hashed_blocks = len(hits)
+        tables = self._prefix_hits(self._hashes(req, max_blocks)) if self.pool.enable_prefix_caching else []
+        if not tables:
+            tables = [[] for _ in self.kv_groups.groups]
+        for table in tables:
+            self.pool.touch(b for b in table if b != STALE)
+        req.block_tables = tables
+        num_hits = len(tables[0])
+        req.num_computed_tokens = req.num_cached_tokens = num_hits * self.block_size
+        req.num_hashed_blocks = num_hits
+
+    def _group_hash(self, group: int, block_hash: bytes) -> bytes:
+        """Prefix-cache key of a block of `group` (group 0 keeps the plain chained hash)."""
+        return block_hash if group == 0 else group.to_bytes(2, "little") + block_hash
+
+    def _prefix_hits(self, hashes: list[bytes]) -> list[list[int]]:
+        """Per group, the cached blocks of the longest prefix every group can resume from ([] if none): a
+        full-attention group needs all its blocks cached, a windowed group only those of the window before the
+        first position computed; the table entries before them are STALE."""
+        groups, bs = self.kv_groups.groups, self.block_size
+        full = [g for g, group in enumerate(groups) if group.window is None]
+        cached = [self.pool.lookup([self._group_hash(g, h) for h in hashes]) for g in full]
+        k = min((len(c) for c in cached), default=len(hashes))
+        for num in range(k, 0, -1):
+            tables: list[list[int]] = []
+            for g in range(len(groups)):
+                if groups[g].window is None:
+                    tables.append(cached[full.index(g)][:num])
+                    continue
+                first = self.kv_groups.first_live_block(g, num * bs, bs)
+                live = [self.pool.cached_block(self._group_hash(g, h)) for h in hashes[first:num]]
+                if any(b is None for b in live):
+                    break
+                tables.append([STALE] * first + [b for b in live if b is not None])
+            else:
+                return tables
+        return []
 
     def _park_for_remote_kv(self, req: Request) -> bool:
         """D: allocate blocks for the whole prompt (prefix hits first) and wait for the rest to be written."""
@@ -311,6 +370,8 @@ class Scheduler:
         if num_full <= req.num_hashed_blocks or not self.pool.enable_prefix_caching:
             return
         hashes = self._hashes(req, num_full)
-        for i in range(req.num_hashed_blocks, num_full):
-            self.pool.cache(req.block_ids[i], hashes[i])
+        for g, table in enumerate(req.block_tables):
+            for i in range(req.num_hashed_blocks, num_full):
+                if table[i] != STALE:
+                    self.pool.cache(table[i], self._group_hash(g, hashes[i]))
         req.num_hashed_blocks = num_full

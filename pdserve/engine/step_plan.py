@@ -39,7 +39,7 @@ class Chunk(Protocol):
     @property
     def start_pos(self) -> int: ...
     @property
-    def block_ids(self) -> Sequence[int]: ...
+    def block_tables(self) -> Sequence[Sequence[int]]: ...
     @property
     def sample(self) -> bool: ...
 
@@ -52,6 +52,11 @@ class PlanChunk:
     start_pos: int  # tokens of the request already in the KV cache
     block_ids: list[int]  # the request's blocks covering [0, start_pos + len) tokens
     sample: bool  # the chunk ends the request's input: its last row's logits are computed (and gathered)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """One KV group: tensor parallelism serves models of one group only (engine.py refuses others)."""
+        return [self.block_ids]
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ def plan_of(chunks: Sequence[Chunk], block_size: int) -> StepPlan:
     for c in chunks:
         n = len(c.token_ids)
         num_blocks = -(-(c.start_pos + n) // block_size)
-        out.append(PlanChunk(list(c.token_ids), c.start_pos, list(c.block_ids[:num_blocks]), c.sample))
+        out.append(PlanChunk(list(c.token_ids), c.start_pos, list(c.block_tables[0][:num_blocks]), c.sample))
     return StepPlan(PlanKind.STEP, out)
 
 

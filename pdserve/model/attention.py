@@ -35,42 +35,57 @@ def paged_attention(
     scale: float,
     k: torch.Tensor | None = None,  # [T, num_kv_heads, head_dim]: this step's keys, lets CUDA skip the gather
     v: torch.Tensor | None = None,
+    window: int | None = None,  # sliding window: keys a query sees, itself included; None = whole context
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached context; returns [T, num_heads, head_dim].
 
-    On CUDA with k and v given (and Triton present), dispatches to cuda_attention.paged_attention_cuda.
+    With a window, the query at position p attends to keys at positions (p - window, p] only (transformers'
+    sliding_window_overlay) and reads no block before the one holding key max(0, p - window + 1): a windowed
+    layer's older blocks may have been freed and reused (engine/kv_groups.py), their table entries stale.
+
+    On CUDA with k and v given (and Triton present), full-context layers dispatch to
+    cuda_attention.paged_attention_cuda; windowed layers take this portable path on every device.
     """
-    if k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
+    if window is None and k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
         from pdserve.model.cuda_attention import paged_attention_cuda
 
         return paged_attention_cuda(q, k, v, layer_cache, ctx, scale)
-    all_decode = ctx.decode is not None and ctx.decode.rows_are_all
+    all_decode = window is None and ctx.decode is not None and ctx.decode.rows_are_all
     out = q if all_decode else torch.empty_like(q)  # an all-decode step returns the decode output directly
     num_heads, num_kv_heads = q.shape[1], layer_cache.shape[3]
     group = num_heads // num_kv_heads
     k_cache, v_cache = layer_cache[0], layer_cache[1]
+    bs = ctx.block_size
     for span in ctx.prefills:
         rows = slice(span.query_start, span.query_start + span.num_query)
         offset = span.context_len - span.num_query  # tokens cached before this chunk
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, nq, d]: 4-D takes torch's fused CPU kernel (~4x)
+        # first key position any query of this span sees; windowed: gather from its block on
+        first = 0 if window is None else max(0, offset - window + 1) // bs * bs
         if offset == 0 and k is not None and v is not None:  # whole prompt in this step: no gather needed
             ks, vs = k[rows], v[rows]  # [ctx, hkv, d]
         else:
-            ks = gather_rows(k_cache, span.block_table, span.context_len)
-            vs = gather_rows(v_cache, span.block_table, span.context_len)
-        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, hkv, ctx, d]
+            table = span.block_table[first // bs :]
+            ks = gather_rows(k_cache, table, span.context_len - first)
+            vs = gather_rows(v_cache, table, span.context_len - first)
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, hkv, ctx - first, d]
         if group > 1:
             ks = ks.repeat_interleave(group, dim=1)
             vs = vs.repeat_interleave(group, dim=1)
-        if offset == 0:
+        if offset == 0 and (window is None or span.num_query <= window):
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
-            # query i sits at position offset + i and sees keys 0 .. offset + i
+            # query i sits at position offset + i and sees keys 0 .. offset + i (windowed: the last `window`)
             qpos = torch.arange(span.num_query, device=q.device).unsqueeze(1) + offset
-            kpos = torch.arange(span.context_len, device=q.device).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=kpos <= qpos, scale=scale)
+            kpos = torch.arange(first, span.context_len, device=q.device).unsqueeze(0)
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[rows] = o[0].transpose(0, 1)
-    if ctx.decode is not None:
+    if ctx.decode is not None and window is not None:
+        _windowed_decode(q, k_cache, v_cache, ctx, scale, window, out)
+    elif ctx.decode is not None:
         d = ctx.decode
         bsz, hd, length = d.block_tables.shape[0], q.shape[2], d.max_context_len
         flat = d.block_tables.flatten()
@@ -89,3 +104,34 @@ def paged_attention(
         else:
             out.index_copy_(0, d.rows, od)
     return out
+
+
+def _windowed_decode(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided)
+    v_cache: torch.Tensor,
+    ctx: AttentionContext,
+    scale: float,
+    window: int,
+    out: torch.Tensor,  # [T, num_heads, head_dim]: the decode rows are written here
+) -> None:
+    """Decode rows of a windowed layer: each reads only the ceil(window / block_size) + 1 table entries that can
+    hold its last `window` keys, whatever its context length (O(window) per token, and no stale entry read)."""
+    d = ctx.decode
+    assert d is not None
+    bs, (bsz, width) = ctx.block_size, d.block_tables.shape
+    num_heads, num_kv_heads, hd = q.shape[1], k_cache.shape[2], q.shape[2]
+    nwin = -(-window // bs) + 1  # blocks a window can straddle
+    lo = (d.context_lens - window).clamp(min=0)  # [B] first key position each row sees
+    idx = (lo // bs).unsqueeze(1) + torch.arange(nwin, device=q.device)  # [B, nwin] table entries
+    table = d.block_tables.gather(1, idx.clamp(max=width - 1)).flatten()  # past the table: masked below
+    kb = k_cache.index_select(0, table).view(bsz, nwin * bs, num_kv_heads, hd)  # [B, L, hkv, d]
+    vb = v_cache.index_select(0, table).view(bsz, nwin * bs, num_kv_heads, hd)
+    kpos = (idx.unsqueeze(2) * bs + torch.arange(bs, device=q.device)).flatten(1)  # [B, L] key positions
+    valid = (kpos >= lo.unsqueeze(1)) & (kpos < d.context_lens.unsqueeze(1))
+    qd = q.index_select(0, d.rows).view(bsz, num_kv_heads, num_heads // num_kv_heads, hd)
+    scores = torch.matmul(qd, kb.permute(0, 2, 3, 1)) * scale  # [B, hkv, g, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    od = torch.matmul(probs, vb.transpose(1, 2)).reshape(bsz, num_heads, hd)  # [B, h, d]
+    out.index_copy_(0, d.rows, od)

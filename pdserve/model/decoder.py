@@ -1,7 +1,14 @@
-"""One generic decoder for the Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3).
+"""One generic decoder for the Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) and Gemma 3's text decoder.
 
-Per-family deltas are flags on ModelArch: qkv_bias (Qwen2), qk_norm (Qwen3), rope_scaling (Llama 3),
-tie_word_embeddings. Weights are stored fused (qkv, gate_up) and loaded from Hugging Face names.
+Per-family deltas are flags on ModelArch: qkv_bias (Qwen2), qk_norm (Qwen3, Gemma 3), rope_scaling (Llama 3,
+linear), tie_word_embeddings, layer_windows (sliding-window attention per layer: Mistral, Qwen2/3
+use_sliding_window, Gemma 3's local layers), and Gemma 3's: (1 + weight) RMSNorm (folded into the weight at
+load, so every norm below is a plain RMSNorm), sandwich norms around attention and MLP, GELU-tanh, embedding
+scale, query_pre_attn_scalar, a local rotary base for windowed layers and final logit softcapping. Weights are
+stored fused (qkv, gate_up) and loaded from Hugging Face names.
+
+Windowed layers take the portable attention path (attention.py) on every device; Gemma 3 takes the portable
+path throughout (the fused CUDA kernels know neither its norms nor its activation).
 
 On CUDA (with Triton) forward() takes the fused path: add+RMSNorm, q/k-norm+rotary+KV store and SiLU-and-mul
 as single Triton kernels (cuda_kernels.py), flash prefill and a paged-decode kernel (cuda_attention.py); the
@@ -12,7 +19,7 @@ False` forces the portable path (benchmarks compare the two).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -21,6 +28,7 @@ from torch import nn
 
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable, paged_attention
+from pdserve.model.kv_groups import KVGroups
 from pdserve.model.paged import AttentionContext, layer_view, write_kv
 from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 
@@ -38,12 +46,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with llama3-style scaling when the config asks for it."""
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim))
-    if arch.rope_scaling is None:
+def rope_inv_freq(arch: ModelArch, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with llama3-style or linear scaling when the config asks for it.
+
+    local: Gemma 3's windowed layers (their own base, no scaling)."""
+    theta = arch.local_rope_theta if local and arch.local_rope_theta is not None else arch.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim))
+    if arch.rope_scaling is None or local:
         return inv.float()
     s = dict(arch.rope_scaling)
+    if s.get("rope_type", s.get("type")) == "linear":
+        return (inv.float() / s["factor"]).float()
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -65,12 +78,15 @@ class DecoderLayer(nn.Module):
     """One layer; with a tensor-parallel shard it holds this rank's heads and MLP rows (model/parallel.py) and
     all-reduces the outputs of o_proj and down_proj (row-parallel) through `comm`."""
 
-    def __init__(self, arch: ModelArch, shard: TPShard, comm: Collectives | None) -> None:
+    def __init__(self, arch: ModelArch, shard: TPShard, comm: Collectives | None, index: int) -> None:
         super().__init__()
         h, d = shard.num_heads, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, shard.num_kv_heads, d
         self.q_size, self.kv_size = h * d, shard.num_kv_heads * d
-        self.scale = d**-0.5
+        self.scale = arch.attn_scale
+        self.window = arch.window_of(index)  # keys a query sees, itself included; None = the whole context
+        self.local_rope = arch.local_rope_theta is not None and self.window is not None  # gemma: local base
+        self.gelu = arch.hidden_act == "gelu_tanh"
         self.comm = comm  # None at TP 1
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
@@ -78,6 +94,9 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # gemma: post_attention_layernorm normalizes the attention output; these two wrap the MLP
+        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.sandwich_norms else None
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shard.intermediate_size, arch.hidden_size, bias=False)
 
@@ -102,10 +121,16 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(layer_cache, k, v, ctx.slot_mapping)
-        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v)
-        x = x + self._reduce(self.o_proj(attn.reshape(t, self.q_size)))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self._reduce(self.down_proj(F.silu(gate) * up))
+        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window)
+        o = self._reduce(self.o_proj(attn.reshape(t, self.q_size)))
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + o
+            gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+            return x + self._reduce(self.down_proj(F.silu(gate) * up))
+        x = x + self.post_attention_layernorm(o)  # gemma: sandwich norms
+        gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)
+        mlp = self._reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
+        return x + self.post_feedforward_layernorm(mlp)
 
     def forward_fused(
         self,
@@ -141,7 +166,7 @@ class DecoderLayer(nn.Module):
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v)  # [T, num_heads, head_dim]
+        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window)  # [T, num_heads, head_dim]
         x = self._reduce(linear(self.o_proj, attn.reshape(t, self.q_size)))
         post = self.post_attention_layernorm
         h, residual = ck.add_rmsnorm(x, residual, post.weight, post.eps)
@@ -156,6 +181,7 @@ class Decoder(nn.Module):
     this rank, head_dim]) and the collectives in `comm` make hidden states and logits whole on every rank."""
 
     inv_freq: torch.Tensor  # [head_dim / 2] float32, a buffer (register_buffer in __init__)
+    inv_freq_local: torch.Tensor  # [head_dim / 2] float32: gemma's windowed layers (= inv_freq otherwise)
 
     def __init__(self, arch: ModelArch, shard: TPShard | None = None, comm: Collectives | None = None) -> None:
         super().__init__()
@@ -166,10 +192,13 @@ class Decoder(nn.Module):
         self.comm = comm if self.shard.is_parallel else None
         vocab = self.shard.vocab_per_rank  # the whole vocabulary at TP 1
         self.embed_tokens = nn.Embedding(vocab, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, self.shard, self.comm) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, self.shard, self.comm, i) for i in range(arch.num_layers))
+        self.kv_groups = KVGroups.of(arch.layer_windows, arch.num_layers)  # model/kv_groups.py
+        self._layer_slots = self.kv_groups.layer_slots()  # layer -> (group, slot in a block)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        self.register_buffer("inv_freq_local", rope_inv_freq(arch, local=True), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
         self._rope_table: torch.Tensor | None = None  # fused path: cos/sin per position, built on first use
         self.gemv_max_rows = 0  # fused path: steps of at most this many rows use the Triton GEMV (set by
@@ -181,27 +210,56 @@ class Decoder(nn.Module):
         return cast(list[DecoderLayer], list(self.layers))
 
     def uses_fused_kernels(self, device: torch.device) -> bool:
-        """Whether forward() on `device` takes the fused CUDA path."""
-        return self.use_fused_kernels and cuda_kernels_usable(device, self.arch.head_dim)
+        """Whether forward() on `device` takes the fused CUDA path (never for Gemma's norms and activation)."""
+        fusable = not self.arch.sandwich_norms and self.arch.hidden_act == "silu"
+        return fusable and self.use_fused_kernels and cuda_kernels_usable(device, self.arch.head_dim)
+
+    def reset_rope(self, device: torch.device) -> None:
+        """Recompute the rotary buffers on `device` in float32 (after building on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.arch).to(device)
+        self.inv_freq_local = rope_inv_freq(self.arch, local=True).to(device)
+
+    def _layer_caches(
+        self, kv_cache: torch.Tensor, ctx: AttentionContext | Sequence[AttentionContext]
+    ) -> list[tuple[torch.Tensor, AttentionContext]]:
+        """(cache view, context) of every layer. One context: every layer reads the same block tables from a
+        cache of num_layers per block. One context per KV group (model/kv_groups.py): layer i reads its
+        group's tables and its slot of a cache of layers_per_block per block."""
+        if isinstance(ctx, AttentionContext):
+            return [(layer_view(kv_cache, i), ctx) for i in range(self.arch.num_layers)]
+        return [(layer_view(kv_cache, slot), ctx[g]) for g, slot in self._layer_slots]
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        ctx: AttentionContext,
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers (or layers_per_block), 2, block_size, kv heads, head_dim]
+        ctx: AttentionContext | Sequence[AttentionContext],  # one, or one per KV group
     ) -> torch.Tensor:
         if self.uses_fused_kernels(input_ids.device):
             return self._forward_fused(input_ids, positions, kv_cache, ctx)
         x = self.embed(input_ids)
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim/2], float32
-        cos, sin = freqs.cos().to(x.dtype).unsqueeze(1), freqs.sin().to(x.dtype).unsqueeze(1)
-        for i, layer in enumerate(self.decoder_layers):
-            x = layer(x, cos, sin, layer_view(kv_cache, i), ctx)
+        cos, sin = self._cos_sin(positions, self.inv_freq, x.dtype)
+        local = self._cos_sin(positions, self.inv_freq_local, x.dtype) if self.arch.local_rope_theta else None
+        for layer, (cache, layer_ctx) in zip(self.decoder_layers, self._layer_caches(kv_cache, ctx), strict=True):
+            c, s = local if layer.local_rope and local is not None else (cos, sin)
+            x = layer(x, c, s, cache, layer_ctx)
         return self.norm(x)
 
+    @staticmethod
+    def _cos_sin(
+        positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim / 2] in `dtype`, computed in float32."""
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # [T, head_dim/2], float32
+        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+
     def _forward_fused(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        ctx: AttentionContext | Sequence[AttentionContext],
     ) -> torch.Tensor:
         from pdserve.model.cuda_kernels import add_rmsnorm, rope_cos_sin
 
@@ -209,28 +267,32 @@ class Decoder(nn.Module):
             self._rope_table = rope_cos_sin(self.inv_freq.to(input_ids.device), self.arch.max_position_embeddings)
         x, residual = self.embed(input_ids), None
         gemv = input_ids.shape[0] <= min(self.gemv_max_rows, 1)  # the GEMV kernel takes one row
-        for i, layer in enumerate(self.decoder_layers):
-            x, residual = layer.forward_fused(
-                x, residual, positions, self._rope_table, layer_view(kv_cache, i), ctx, gemv
-            )
+        for layer, (cache, layer_ctx) in zip(self.decoder_layers, self._layer_caches(kv_cache, ctx), strict=True):
+            x, residual = layer.forward_fused(x, residual, positions, self._rope_table, cache, layer_ctx, gemv)
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] -> [T, hidden]; with TP each rank looks up the ids in its vocabulary slice and the sum is whole."""
+        """[T] -> [T, hidden]; with TP each rank looks up the ids in its vocabulary slice and the sum is whole.
+        Gemma scales by sqrt(hidden), rounded to the weights' dtype first (as transformers does)."""
         if self.comm is None:
-            return self.embed_tokens(input_ids)
-        local = input_ids - self.shard.vocab_start
-        mine = (local >= 0) & (local < self.shard.vocab_per_rank)  # [T]
-        x = self.embed_tokens(local.clamp(0, self.shard.vocab_per_rank - 1))
-        return self.comm.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+            x = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - self.shard.vocab_start
+            mine = (local >= 0) & (local < self.shard.vocab_per_rank)  # [T]
+            x = self.embed_tokens(local.clamp(0, self.shard.vocab_per_rank - 1))
+            x = self.comm.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+        if self.arch.embed_scale is None:
+            return x
+        return x * torch.tensor(self.arch.embed_scale, dtype=torch.float32).to(x.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (with TP: gathered from every rank's vocabulary slice)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight).float()
-        if self.comm is None:
-            return logits
-        return self.comm.all_gather_last(logits)[:, : self.shard.vocab_size]
+        if self.comm is not None:
+            logits = self.comm.all_gather_last(logits)[:, : self.shard.vocab_size]
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
@@ -248,6 +310,8 @@ def hf_fused_weights(sd: Mapping[str, torch.Tensor], arch: ModelArch, tied: bool
     def take(name: str) -> torch.Tensor:
         if name not in sd:
             raise KeyError(f"weight {name!r} missing from checkpoint")
+        if arch.norm_offset and name.endswith("norm.weight"):  # gemma: (1 + weight), folded in float32
+            return sd[name].float() + 1.0
         return sd[name]
 
     yield "embed_tokens.weight", take("model.embed_tokens.weight")
@@ -266,5 +330,8 @@ def hf_fused_weights(sd: Mapping[str, torch.Tensor], arch: ModelArch, tied: bool
             yield ours + "k_norm.weight", take(a + "k_norm.weight")
         yield ours + "input_layernorm.weight", take(p + "input_layernorm.weight")
         yield ours + "post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight")
+        if arch.sandwich_norms:
+            yield ours + "pre_feedforward_layernorm.weight", take(p + "pre_feedforward_layernorm.weight")
+            yield ours + "post_feedforward_layernorm.weight", take(p + "post_feedforward_layernorm.weight")
         yield ours + "gate_up_proj.weight", torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
         yield ours + "down_proj.weight", take(m + "down_proj.weight")

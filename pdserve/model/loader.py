@@ -27,7 +27,7 @@ import torch
 from pdserve.config import ConfigError, ModelConfig
 from pdserve.model.arch import ModelArch
 from pdserve.model.builtin import builtin_gguf_path, builtin_names, is_builtin
-from pdserve.model.decoder import Decoder, RMSNorm, rope_inv_freq
+from pdserve.model.decoder import Decoder, RMSNorm
 from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 from pdserve.model.presets import get_preset, is_preset, preset_names
 from pdserve.model.tokenizer import Tokenizer
@@ -74,7 +74,7 @@ def load_model(
         _check_all_used(weights, folder)
         tokenizer = load_tokenizer(folder, arch)
     decoder.eval().requires_grad_(False)
-    return LoadedModel(name, arch, decoder, tokenizer, _max_model_len(cfg, arch, hf_cfg))
+    return LoadedModel(name, arch, decoder, tokenizer, _max_model_len(cfg, arch))
 
 
 def model_arch(cfg: ModelConfig) -> ModelArch:
@@ -106,7 +106,7 @@ def build_decoder(
     with torch.device("meta"):
         decoder = Decoder(arch, shard, comm)
     decoder = decoder.to(dtype=dtype).to_empty(device=device)
-    decoder.inv_freq = rope_inv_freq(arch).to(device)  # [head_dim / 2] float32
+    decoder.reset_rope(device)  # [head_dim / 2] float32
     return decoder
 
 
@@ -228,15 +228,14 @@ def _weights_folder(model: str) -> tuple[str, Path]:
     raise ConfigError(f"unknown model {model!r}: not a built-in name, folder or .gguf file; {known_models_hint()}")
 
 
-def _max_model_len(cfg: ModelConfig, arch: ModelArch, hf_cfg: dict[str, Any]) -> int:
-    limit, why = arch.max_position_embeddings, "max_position_embeddings"
-    window = hf_cfg.get("sliding_window") if hf_cfg.get("use_sliding_window", arch.family == "mistral") else None
-    if window is not None and window < limit:  # the decoder attends to the whole context: no sliding window
-        limit, why = int(window), "sliding_window (not implemented: attention covers the whole context)"
+def _max_model_len(cfg: ModelConfig, arch: ModelArch) -> int:
+    """The context length served: sliding-window models too are served up to max_position_embeddings (their
+    windowed layers attend to the last `window` tokens, model/attention.py)."""
+    limit = arch.max_position_embeddings
     if cfg.max_model_len is None:
         return min(limit, DEFAULT_MAX_MODEL_LEN)
     if cfg.max_model_len > limit:
-        raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's {why} = {limit}")
+        raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings = {limit}")
     return cfg.max_model_len
 
 

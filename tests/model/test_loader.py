@@ -21,10 +21,11 @@ def test_loads_every_family(tiny_family: str, tiny_model_dirs: dict[str, Path]) 
     m = load_model(ModelConfig(model=str(tiny_model_dirs[tiny_family])))
     assert m.name == tiny_family
     assert m.arch.family == tiny_family.split("_")[0].replace("llama3", "llama")
-    assert m.arch.qkv_bias == (tiny_family == "qwen2")
-    assert m.arch.qk_norm == (tiny_family == "qwen3")
-    assert (m.decoder.lm_head is None) == (tiny_family == "llama_tied")
-    assert (m.arch.rope_scaling is not None) == (tiny_family == "llama3")
+    assert m.arch.qkv_bias == tiny_family.startswith("qwen2")
+    assert m.arch.qk_norm == (tiny_family in ("qwen3", "gemma3"))
+    assert m.arch.is_windowed == (tiny_family in ("mistral_swa", "qwen2_swa", "gemma3"))
+    assert (m.decoder.lm_head is None) == (tiny_family in ("llama_tied", "gemma3"))
+    assert (m.arch.rope_scaling is not None) == (tiny_family in ("llama3", "gemma3"))
     assert not m.decoder.training
     assert all(not p.requires_grad for p in m.decoder.parameters())
     assert m.max_model_len == 256  # min(max_position_embeddings, 8192)
@@ -56,14 +57,15 @@ def test_max_model_len(tiny_model_dirs: dict[str, Path]) -> None:
         load_model(ModelConfig(model=folder, max_model_len=300))
 
 
-def test_mistral_sliding_window_caps_context(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_sliding_window_serves_the_whole_context(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A window no longer caps the context: windowed layers attend to their last `window` keys."""
     folder = tmp_path / "mistral_window"
     shutil.copytree(tiny_model_dirs["mistral"], folder)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
-    assert load_model(ModelConfig(model=str(folder))).max_model_len == 64
-    with pytest.raises(ConfigError, match="sliding_window"):
-        load_model(ModelConfig(model=str(folder), max_model_len=65))
+    m = load_model(ModelConfig(model=str(folder), max_model_len=256))
+    assert m.max_model_len == 256 and m.arch.layer_windows == (64, 64)
+    assert all(layer.window == 64 for layer in m.decoder.decoder_layers)
 
 
 def test_num_threads() -> None:
