@@ -36,9 +36,11 @@ def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tie: bool) -
     }
 
 
-def _gemma3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, scalar: int) -> dict[str, Any]:
-    """Gemma 3 text decoder (the language model of the 4B/12B/27B checkpoints, as Gemma3ForCausalLM): head_dim
-    128, 5 local layers (window 1024, rotary base 1e4) per global one (base 1e6, linear scaling x8)."""
+def _gemma3(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, scalar: int
+) -> dict[str, Any]:
+    """Gemma 3 text decoder (the language model of the 12B/27B checkpoints, as Gemma3ForCausalLM): 5 local
+    layers (window 1024, rotary base 1e4) per global one (base 1e6, linear scaling x8)."""
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -47,7 +49,7 @@ def _gemma3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: i
         "bos_token_id": 2,
         "eos_token_id": [1, 106],
         "final_logit_softcapping": None,
-        "head_dim": 128,
+        "head_dim": head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
         "hidden_size": hidden,
         "intermediate_size": intermediate,
@@ -69,8 +71,8 @@ def _gemma3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: i
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    "gemma3-12b": _gemma3(hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, scalar=256),
-    "gemma3-27b": _gemma3(hidden=5376, intermediate=21504, layers=62, heads=32, kv_heads=16, scalar=168),
+    "gemma3-12b": _gemma3(hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256, scalar=256),
+    "gemma3-27b": _gemma3(hidden=5376, intermediate=21504, layers=62, heads=32, kv_heads=16, head_dim=128, scalar=168),
     "qwen3-0.6b": _qwen3(hidden=1024, intermediate=3072, layers=28, heads=16, tie=True),
     "qwen3-1.7b": _qwen3(hidden=2048, intermediate=6144, layers=28, heads=16, tie=True),
     "qwen3-8b": _qwen3(hidden=4096, intermediate=12288, layers=36, heads=32, tie=False),

@@ -94,6 +94,7 @@ def test_dummy_presets_on_meta_have_published_sizes(name: str) -> None:
     """Every preset builds (on the meta device: no memory) with the published parameter count."""
     published = {"qwen3-0.6b": 0.60e9, "qwen3-1.7b": 1.72e9, "qwen3-8b": 8.19e9, "qwen3-32b": 32.8e9}
     published["llama-3.1-8b"] = 8.03e9
+    published |= {"gemma3-12b": 11.77e9, "gemma3-27b": 27.01e9}  # the text decoders (no vision tower)
     m = load_model(ModelConfig(model=name, load_format="dummy", device="meta", dtype="bfloat16"))
     num_params = sum(p.numel() for p in m.decoder.parameters())
     assert abs(num_params / published[name] - 1) < 0.01, num_params
