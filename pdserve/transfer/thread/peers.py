@@ -131,12 +131,14 @@ class Peers:
             peers[rank] = peer
             if rank == 0:
                 for r in range(1, size):
-                    self.connect(host, peer.info.rank_ports[r], peer.engine_id, load_me,
-                                 lambda p, e, r=r: on_rank(r, p, e))  # fmt: skip
+                    self.connect(host, peer.info.rank_ports[r], peer.engine_id, load_me, rank_callback(r))
             if len(peers) == size:
                 callback(dict(peers), None)
 
-        self.connect(host, port, engine_id, load_me, lambda p, e: on_rank(0, p, e))
+        def rank_callback(rank: int) -> PeerCallback:
+            return lambda p, e: on_rank(rank, p, e)
+
+        self.connect(host, port, engine_id, load_me, rank_callback(0))
 
     def _on_reply(self, key: tuple[str, int], reply: Message | None, error: str | None) -> None:
         waiters = self._waiting.pop(key, [])
