@@ -147,8 +147,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         tp = self.parallel.tensor_parallel_size
-        if tp > 1 and self.transfer.is_disaggregated:
+        if tp > 1 and self.transfer.role == "decode" and self.transfer.mode == "push":
             raise ConfigError(
-                f"kv role {self.transfer.role!r} with tensor_parallel_size {tp}: an instance of more than one "
-                "rank serves --kv-role both only for now (per-rank KV transfer is the next step of issue 13)"
+                f"kv role decode in push mode with tensor_parallel_size {tp}: a push decode instance runs one rank "
+                "for now (a prefill rank takes one registration per transfer); use pull mode, or TP 1 on decode"
             )

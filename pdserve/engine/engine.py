@@ -21,6 +21,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.text import TextTracker
 from pdserve.engine.tp_group import TPGroup, TPGroupError
 from pdserve.engine.tp_rank import rank_device
+from pdserve.engine.tp_transfer import TPWorker
 from pdserve.model.arch import ModelArch
 from pdserve.model.kv_groups import KVGroups
 from pdserve.model.loader import load_model, model_arch
@@ -89,13 +90,18 @@ class LLMEngine:
             if self.ranks is not None:
                 self.ranks.shutdown()
             raise
-        self.kv_scheduler, self.kv_worker = make_connectors(config.transfer, block_size)
+        side_ports = self.ranks.side_ports if self.ranks is not None else ()
+        self.kv_scheduler, self.kv_worker = make_connectors(config.transfer, block_size, tp, side_ports)
+        if self.ranks is not None and config.transfer.is_disaggregated:
+            self.kv_worker = TPWorker(self.kv_worker, self.ranks)  # every rank moves its own KV slice
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler, loaded.decoder.kv_groups
         )
         self.runner = ModelRunner(loaded.decoder, kv_cache, device, ranks=self.ranks)
-        self.kv_worker.register_kv_cache(kv_cache, kv_cache_spec(kv_cache, loaded.name, config.model.dtype))
+        ports = tuple(self.kv_scheduler.info().get("side_channel_ports", ())) if tp > 1 else ()
+        spec = kv_cache_spec(kv_cache, loaded.name, config.model.dtype, 0, tp, loaded.arch.num_kv_heads, ports)
+        self.kv_worker.register_kv_cache(kv_cache, spec)
         self.kv_worker.start(wakeup)  # joined in shutdown()
         self._text: dict[str, TextTracker] = {}
         self._timelines: OrderedDict[str, dict[str, Any]] = OrderedDict()

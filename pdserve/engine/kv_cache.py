@@ -67,7 +67,15 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def kv_cache_spec(kv_cache: torch.Tensor, model_name: str, dtype_name: str) -> KVCacheSpec:
+def kv_cache_spec(
+    kv_cache: torch.Tensor,
+    model_name: str,
+    dtype_name: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    total_kv_heads: int = 0,  # the model's (0: this cache holds them all)
+    rank_ports: tuple[int, ...] = (),  # rank 0: every rank's side-channel port
+) -> KVCacheSpec:
     num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     is_cuda = kv_cache.device.type == "cuda"
     return KVCacheSpec(
@@ -82,4 +90,8 @@ def kv_cache_spec(kv_cache: torch.Tensor, model_name: str, dtype_name: str) -> K
         device_id=(kv_cache.device.index or 0) if is_cuda else 0,
         model_name=model_name,
         dtype=dtype_name,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_kv_heads=total_kv_heads,
+        rank_ports=rank_ports,
     )

@@ -9,7 +9,9 @@ Encoding (explicit, no pickle): one little-endian int64 array
     [PLAN_VERSION, kind, num_chunks,
      num_chunks x (num_tokens, start_pos, num_blocks, sample),
      every chunk's token ids, then every chunk's block ids]
-A SHUTDOWN message is [PLAN_VERSION, SHUTDOWN, 0]. decode() checks every length and refuses anything else.
+A SHUTDOWN message is [PLAN_VERSION, SHUTDOWN, 0]; a TRANSFER message is [PLAN_VERSION, TRANSFER, 0] followed by
+the connector's StepMeta as bytes (transfer/ranks.py), for the rank's own ConnectorWorker. decode() checks every
+length and refuses anything else.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
-PLAN_VERSION = 1  # 1: first version (chunks of token ids, start positions, block ids, sample flags)
+# 1: first version (chunks of token ids, start positions, block ids, sample flags); 2: TRANSFER (a StepMeta)
+PLAN_VERSION = 2
 HEADER_WORDS = 3
 WORDS_PER_CHUNK = 4
 
@@ -29,6 +32,7 @@ WORDS_PER_CHUNK = 4
 class PlanKind(IntEnum):
     STEP = 1  # run the model on the chunks
     SHUTDOWN = 2  # leave the rank loop (no chunks)
+    TRANSFER = 3  # hand the payload (a StepMeta, transfer/ranks.py) to the rank's ConnectorWorker
 
 
 class Chunk(Protocol):
@@ -62,7 +66,8 @@ class PlanChunk:
 @dataclass(frozen=True)
 class StepPlan:
     kind: PlanKind
-    chunks: list[PlanChunk]  # empty for SHUTDOWN
+    chunks: list[PlanChunk]  # empty for SHUTDOWN and TRANSFER
+    payload: bytes = b""  # TRANSFER: the encoded StepMeta
 
 
 class PlanError(ValueError):
@@ -83,6 +88,8 @@ SHUTDOWN = StepPlan(PlanKind.SHUTDOWN, [])
 
 
 def encode(plan: StepPlan) -> bytes:
+    if plan.kind == PlanKind.TRANSFER:
+        return np.asarray([PLAN_VERSION, int(plan.kind), 0], dtype="<i8").tobytes() + plan.payload
     header = [PLAN_VERSION, int(plan.kind), len(plan.chunks)]
     per_chunk = [x for c in plan.chunks for x in (len(c.token_ids), c.start_pos, len(c.block_ids), int(c.sample))]
     tokens = [t for c in plan.chunks for t in c.token_ids]
@@ -92,13 +99,18 @@ def encode(plan: StepPlan) -> bytes:
 
 def decode(data: bytes) -> StepPlan:
     """The plan in `data`; PlanError naming what is wrong otherwise."""
-    if len(data) % 8 or len(data) < 8 * HEADER_WORDS:
-        raise PlanError(f"step plan of {len(data)} bytes is not a whole header of int64 words")
+    if len(data) < 8 * HEADER_WORDS:
+        raise PlanError(f"step plan of {len(data)} bytes is shorter than its header")
+    version, kind, _ = (int(x) for x in np.frombuffer(data[: 8 * HEADER_WORDS], dtype="<i8"))
+    if version == PLAN_VERSION and kind == PlanKind.TRANSFER:
+        return StepPlan(PlanKind.TRANSFER, [], data[8 * HEADER_WORDS :])
+    if len(data) % 8:
+        raise PlanError(f"step plan of {len(data)} bytes is not whole int64 words")
     words = np.frombuffer(data, dtype="<i8")
     version, kind, num_chunks = (int(x) for x in words[:HEADER_WORDS])
     if version != PLAN_VERSION:
         raise PlanError(f"step plan version {version}, this rank speaks {PLAN_VERSION}")
-    if kind not in (PlanKind.STEP, PlanKind.SHUTDOWN):
+    if kind not in (PlanKind.STEP, PlanKind.SHUTDOWN, PlanKind.TRANSFER):
         raise PlanError(f"unknown step plan kind {kind}")
     meta_end = HEADER_WORDS + WORDS_PER_CHUNK * num_chunks
     if num_chunks < 0 or meta_end > len(words):

@@ -19,16 +19,17 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig
-from pdserve.engine.step_plan import SHUTDOWN, Chunk, StepPlan, encode
+from pdserve.engine.step_plan import SHUTDOWN, Chunk, PlanKind, StepPlan, encode
 from pdserve.engine.tp_rank import RankSpec, decode_status, join_process_group, rank_device, run_rank
 from pdserve.model.parallel import ProcessGroupCollectives
 
@@ -52,6 +53,9 @@ class TPGroup:
         self.procs: list[BaseProcess] = []  # rank r is procs[r - 1]
         self.conns: list[Connection] = []  # rank 0's end of rank r's pipe is conns[r - 1]
         self._joined_group = False
+        self.side_ports: tuple[int, ...] = ()  # ranks 1..N-1's side-channel ports (kv role prefill/decode)
+        self._reader: threading.Thread | None = None  # reads ranks' transfer results (start_reader())
+        self._stop_reader = threading.Event()
         ctx = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, self.size):
@@ -82,11 +86,54 @@ class TPGroup:
 
     def wait_ready(self, num_blocks: int) -> None:
         """Wait until every rank loaded its shard and allocated a KV cache of `num_blocks` blocks."""
-        for rank, msg in enumerate(self._wait_all("ready", READY_TIMEOUT_S), start=1):
+        ready = self._wait_all("ready", READY_TIMEOUT_S)
+        for rank, msg in enumerate(ready, start=1):
             if msg.get("num_blocks") != num_blocks:
                 raise TPGroupError(
                     f"tensor-parallel rank {rank} has {msg.get('num_blocks')} KV blocks, rank 0 has {num_blocks}"
                 )
+        self.side_ports = tuple(int(msg.get("side_port", 0)) for msg in ready)
+
+    def send_transfer(self, payload: bytes) -> None:
+        """Hand a StepMeta (transfer/ranks.py bytes) to every rank's ConnectorWorker; TPGroupError on failure."""
+        if self.broken is not None:
+            raise TPGroupError(self.broken)
+        data = encode(StepPlan(PlanKind.TRANSFER, [], payload))
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as e:
+            self.broken = self._describe_failure(e)
+            raise TPGroupError(self.broken) from e
+
+    def start_reader(self, on_results: Callable[[int, bytes], None], on_broken: Callable[[], None]) -> None:
+        """After wait_ready: a thread ("tp-results", joined in shutdown()) reads every rank's pipe; each
+        results message goes to on_results(rank, bytes); a rank that errors or exits breaks the group (its
+        reason in `broken`) and calls on_broken(). Rank 0's main thread only writes the pipes from now on."""
+
+        def run() -> None:
+            by_conn = {id(c): r for r, c in enumerate(self.conns, start=1)}
+            live = list(self.conns)
+            while live and not self._stop_reader.is_set():
+                for conn in wait(live, timeout=0.2):
+                    assert isinstance(conn, Connection)
+                    rank = by_conn[id(conn)]
+                    try:
+                        msg = decode_status(conn.recv_bytes())
+                    except (EOFError, OSError, ValueError) as e:
+                        live.remove(conn)
+                        if not self._stop_reader.is_set():
+                            self.broken = self.broken or self._describe_failure(e)
+                            on_broken()
+                        continue
+                    if msg["type"] == "results":
+                        on_results(rank, msg["data"])
+                    elif msg["type"] == "error":
+                        self.broken = self.broken or f"tensor-parallel rank {rank} failed: {msg.get('message')}"
+                        on_broken()
+
+        self._reader = threading.Thread(target=run, name="pdserve-tp-results", daemon=True)
+        self._reader.start()
 
     def run_step(self, plan: StepPlan, forward: Callable[[Sequence[Chunk]], T]) -> T:
         """Send `plan` to every rank, then run rank 0's `forward` on its chunks; TPGroupError on any failure."""
@@ -103,7 +150,8 @@ class TPGroup:
             raise TPGroupError(self.broken) from e
 
     def shutdown(self) -> None:
-        """Stop every rank and join it; leave the process group. Idempotent."""
+        """Stop every rank and join it (then the results reader); leave the process group. Idempotent."""
+        self._stop_reader.set()
         for conn in self.conns:
             try:
                 conn.send_bytes(encode(SHUTDOWN))
@@ -118,6 +166,9 @@ class TPGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
+        if self._reader is not None:
+            self._reader.join()
+            self._reader = None
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -25,7 +26,8 @@ from pdserve.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-STATUS_VERSION = 1  # 1: hello, ready (num_blocks), error (message)
+# 1: hello, ready (num_blocks), error (message); 2: ready.side_port, results (a KV connector's, transfer/ranks.py)
+STATUS_VERSION = 2
 PARENT_POLL_S = 0.5  # an idle rank checks this often that rank 0 is alive
 COLLECTIVE_TIMEOUT_S = 120.0  # the process group's deadline for joining and for every collective
 
@@ -66,7 +68,7 @@ def decode_status(data: bytes) -> dict[str, Any]:
     if (
         not isinstance(msg, dict)
         or msg.get("v") != STATUS_VERSION
-        or msg.get("type") not in ("hello", "ready", "error")
+        or msg.get("type") not in ("hello", "ready", "error", "results")
     ):
         raise ValueError(f"not a rank status message of version {STATUS_VERSION}: {msg!r:.200}")
     return msg
@@ -113,6 +115,7 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
     from pdserve.engine.step_plan import PlanKind, decode
     from pdserve.model.loader import TORCH_DTYPES, load_model
     from pdserve.model.parallel import ProcessGroupCollectives
+    from pdserve.transfer.ranks import decode_meta
 
     cfg = spec.config
     device = rank_device(cfg.model.device, spec.rank)
@@ -129,16 +132,52 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
         loaded.arch, num_blocks, cfg.cache.block_size, dtype, torch.device(device), num_kv_heads
     )
     runner = ModelRunner(loaded.decoder, kv_cache, torch.device(device))
-    conn.send_bytes(encode_status("ready", num_blocks=num_blocks))
-    while True:
-        data = _receive(conn, spec.parent_pid)
-        if data is None:
-            log.warning("rank 0 is gone; rank %d leaves", spec.rank)
-            return 1
-        plan = decode(data)
-        if plan.kind == PlanKind.SHUTDOWN:
-            return 0
-        runner.forward(plan.chunks)
+    worker, side_port = _start_worker(spec, conn, kv_cache, loaded.name, loaded.arch.num_kv_heads)
+    conn.send_bytes(encode_status("ready", num_blocks=num_blocks, side_port=side_port))
+    try:
+        while True:
+            data = _receive(conn, spec.parent_pid)
+            if data is None:
+                log.warning("rank 0 is gone; rank %d leaves", spec.rank)
+                return 1
+            plan = decode(data)
+            if plan.kind == PlanKind.SHUTDOWN:
+                return 0
+            if plan.kind == PlanKind.TRANSFER:
+                if worker is not None:
+                    worker.submit(decode_meta(plan.payload))
+                continue
+            runner.forward(plan.chunks)
+    finally:
+        if worker is not None:
+            worker.shutdown()  # its transfer thread and side channel (joined), then its NIXL agent
+
+
+def _start_worker(
+    spec: RankSpec, conn: Connection, kv_cache: Any, model_name: str, total_kv_heads: int
+) -> tuple[Any, int]:
+    """P/D: this rank's ConnectorWorker over its KV slice (own NIXL agent, transfer thread, side channel),
+    started, its results sent to rank 0 over the pipe whenever it has some; (None, 0) for kv role both."""
+    cfg = spec.config
+    if not cfg.transfer.is_disaggregated:
+        return None, 0
+    from pdserve.engine.kv_cache import kv_cache_spec
+    from pdserve.transfer.factory import make_rank_worker
+    from pdserve.transfer.ranks import encode_results
+
+    worker, side_port = make_rank_worker(cfg.transfer)
+    kv_spec = kv_cache_spec(kv_cache, model_name, cfg.model.dtype, spec.rank, spec.size, total_kv_heads)
+    worker.register_kv_cache(kv_cache, kv_spec)
+    lock = threading.Lock()
+
+    def forward_results() -> None:  # on the rank's transfer thread
+        with lock:
+            res = worker.poll_results()
+            if res:
+                conn.send_bytes(encode_status("results", data=encode_results(res, worker.stats())))
+
+    worker.start(forward_results)
+    return worker, side_port
 
 
 def _receive(conn: Connection, parent_pid: int) -> bytes | None:

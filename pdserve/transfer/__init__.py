@@ -12,6 +12,9 @@ Files, laid out by thread. Shared and pure (no torch, numpy or nixl):
   faults.py          test-only Faults (delays, switches) and its one defer() helper; NO_FAULTS in production
   factory.py         make_connectors(): Nop for kv role "both", else pull or push (binds the side channel)
   nop.py             both halves for kv role "both"
+  heads.py           tensor parallelism: which rank holds which KV heads, which P rank sends which D rank what
+  ranks.py           tensor parallelism: StepMeta to the other ranks' workers, their results back (msgpack),
+                     RankMerger (one result per request: a recv finishes when every rank's part landed)
 scheduler/ — the engine thread's halves (pure Python; tests/transfer/test_layers.py checks it):
   base.py            what pull's and push's scheduler halves share: RecvTasks, StepMeta, P's answers
   pull.py / push.py  PullScheduler / PushScheduler
@@ -30,7 +33,7 @@ thread/ — the transfer thread (and the side-channel thread):
   peers.py           handshake cache per address, loaded remote agents, liveness probes
   results.py         thread-safe hand-back of results, events and counters to the engine
 Kept at the top for now (being reworked for a block-major cache):
-  layout.py          block ids + token range -> merged byte regions, block-size translation (pure math)
+  layout.py          block ids + token range -> merged byte regions, block-size translation, head slices (pure math)
   staging.py         kv_buffer_device "cpu": a pinned host mirror NIXL moves instead of a CUDA cache, block-id
                      copies on a dedicated stream (P: before D can read / before the WRITE; D: before finished)
 

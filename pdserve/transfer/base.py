@@ -7,6 +7,17 @@ Each mode has two halves (two classes, never one class with two Optional halves)
   through its transfer thread, executes StepMeta and reports TransferResults.
 
 Only the plain data below crosses the boundary; this package never imports the engine.
+
+Tensor parallelism (docs/architecture.md, "Tensor parallelism"): an instance of N ranks runs one
+ConnectorScheduler (rank 0) and N ConnectorWorkers, one per rank process, each with its own NIXL agent,
+transfer thread and side channel over its own slice of the KV cache (its KV heads, heads.py). Every rank's
+worker gets the same StepMeta (rank 0's, forwarded as bytes by ranks.py) and works on its heads alone; rank 0
+merges their TransferResults (ranks.RankMerger) before the engine sees them, so that for the engine a request
+still ends in exactly one result:
+- a recv is finished only when every rank's part landed; the first rank that fails it has the other ranks
+  cancel theirs, and the request is reported failed (with that reason) once every rank's part is over, so no
+  block is reused while any rank's READ/WRITE may still land in it; an engine cancel is reported cancelled;
+- a send is finished (P's blocks may be freed) when every rank reported its part finished.
 """
 
 from __future__ import annotations
@@ -36,8 +47,14 @@ class KVCacheSpec:
     device_id: int  # GPU index for VRAM, 0 for DRAM
     model_name: str  # for the compatibility hash
     dtype: str  # "float32" | "bfloat16" | "float16"
-    tp_rank: int = 0
-    tp_size: int = 1
+    tp_rank: int = 0  # this rank
+    tp_size: int = 1  # ranks of the instance
+    total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, one rank holds them all)
+    rank_ports: tuple[int, ...] = ()  # rank 0: every rank's side-channel port (announced in its handshake)
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
 
     @property
     def token_bytes(self) -> int:

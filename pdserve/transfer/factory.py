@@ -8,11 +8,12 @@ from pdserve.transfer.nop import NopScheduler, NopWorker
 
 
 def make_connectors(
-    cfg: TransferConfig, block_size: int, tp_size: int = 1
+    cfg: TransferConfig, block_size: int, tp_size: int = 1, rank_ports: tuple[int, ...] = ()
 ) -> tuple[ConnectorScheduler, ConnectorWorker]:
     """The connector pair for cfg. For kv role prefill/decode this binds the side-channel socket now
     (cfg.side_channel_port; 0 picks a free port, reported by scheduler.info()) and raises OSError if it
-    cannot; the worker serves it from start() and closes it in shutdown()."""
+    cannot; rank_ports: the side-channel ports of tensor-parallel ranks 1.. (scheduler.info() lists them all);
+    the worker serves it from start() and closes it in shutdown()."""
     if cfg.role == "both":
         return NopScheduler(block_size), NopWorker()
     from pdserve.transfer.thread.handshake import SideChannel
@@ -22,8 +23,26 @@ def make_connectors(
         from pdserve.transfer.scheduler.pull import PullScheduler
         from pdserve.transfer.thread.pull import PullWorker
 
-        return PullScheduler(cfg, block_size, side.host, side.port, tp_size), PullWorker(cfg, side)
+        return PullScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports), PullWorker(cfg, side)
     from pdserve.transfer.scheduler.push import PushScheduler
     from pdserve.transfer.thread.push import PushWorker
 
-    return PushScheduler(cfg, block_size, side.host, side.port, tp_size), PushWorker(cfg, side)
+    return PushScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports), PushWorker(cfg, side)
+
+
+def make_rank_worker(cfg: TransferConfig) -> tuple[ConnectorWorker, int]:
+    """A tensor-parallel rank's worker half (rank > 0; kv role prefill/decode) and its side channel's port,
+    bound now on cfg's host (any free port: rank 0 announces it in its handshake)."""
+    from dataclasses import replace
+
+    from pdserve.transfer.thread.handshake import SideChannel
+
+    side = SideChannel(cfg.side_channel_host, 0, cfg.auth_secret)
+    rank_cfg = replace(cfg, side_channel_port=0)
+    if cfg.mode == "pull":
+        from pdserve.transfer.thread.pull import PullWorker
+
+        return PullWorker(rank_cfg, side), side.port
+    from pdserve.transfer.thread.push import PushWorker
+
+    return PushWorker(rank_cfg, side), side.port

@@ -12,6 +12,13 @@ first or last block, or different block sizes) is one descriptor per region, so 
 the range are never touched. Descriptors contiguous on both sides (runs of whole blocks) are merged: with
 equal block sizes a transfer is one descriptor per run of blocks contiguous on both sides, whatever the
 number of layers.
+
+Tensor parallelism (heads.py): a rank's cache holds only its KV heads, and a transfer between ranks of different
+TP sizes moves a head slice: heads [local_head, local_head + num_heads) of the local rank's heads from/to
+[remote_head, ...) of the remote rank's. Tokens come before heads inside a block, so a slice that is not every
+head of both ranks is strided: one descriptor per token row per region, num_heads * head_bytes each
+(2 * num_layers * tokens descriptors per producer rank; e.g. 64 layers x 2048 tokens = 262144 rows of 512 B for
+one of 8 bf16 heads of 128 dims). Equal head sets (equal TP sizes) keep the whole-block merging above.
 """
 
 from __future__ import annotations
@@ -36,12 +43,19 @@ class BlockLayout:
     num_layers: int
     num_blocks: int
     block_size: int  # tokens per block
-    token_bytes: int  # bytes of one token's K (or V) in one layer
+    token_bytes: int  # bytes of one token's K (or V) in one layer: num_heads * head_bytes
     device_id: int = 0  # NIXL device id of the buffer (GPU index; 0 for DRAM)
+    num_heads: int = 1  # KV heads in this cache (a tensor-parallel rank's)
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec) -> BlockLayout:
-        return cls(spec.base_addr, spec.num_layers, spec.num_blocks, spec.block_size, spec.token_bytes, spec.device_id)
+        return cls(spec.base_addr, spec.num_layers, spec.num_blocks, spec.block_size, spec.token_bytes, spec.device_id,
+                   spec.num_kv_heads)  # fmt: skip
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token's K (or V) in one layer."""
+        return self.token_bytes // self.num_heads
 
     @property
     def region_bytes(self) -> int:
@@ -90,8 +104,8 @@ def token_segments(
     num_tokens: int,
 ) -> list[Segment]:
     """Segments covering tokens [start_token, start_token + num_tokens), cut at both sides' block boundaries."""
-    if local.token_bytes != remote.token_bytes:
-        raise LayoutError(f"token size differs: local {local.token_bytes} B, remote {remote.token_bytes} B")
+    if local.head_bytes != remote.head_bytes:
+        raise LayoutError(f"head size differs: local {local.head_bytes} B, remote {remote.head_bytes} B")
     if start_token < 0 or num_tokens < 0:
         raise LayoutError(f"bad token range: start {start_token}, count {num_tokens}")
     end = start_token + num_tokens
@@ -107,15 +121,33 @@ def token_segments(
     return segments
 
 
-def descriptors(local: BlockLayout, remote: BlockLayout, segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class Heads:
+    """A head slice of a transfer: heads [local, local + num) of the local rank's, [remote, ...) of the remote's."""
+
+    local: int
+    remote: int
+    num: int
+
+
+def descriptors(
+    local: BlockLayout, remote: BlockLayout, segments: list[Segment], heads: Heads | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """NIXL descriptor arrays for the segments: two [num_descs, 3] uint64 arrays of (address, length, device
     id), row i of one matching row i of the other. A whole block on both sides is one row; any other segment
-    is one row per region. Rows contiguous on both sides are merged."""
+    is one row per region; a head slice (heads, unless every head of both sides) one row per token per region.
+    Rows contiguous on both sides are merged."""
     if local.num_layers != remote.num_layers:
         raise LayoutError(f"layer count differs: local {local.num_layers}, remote {remote.num_layers}")
     if not segments:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()
+    if heads is not None and not (
+        heads.local == heads.remote == 0 and heads.num == local.num_heads == remote.num_heads
+    ):
+        return _head_rows(local, remote, segments, heads)
+    if local.token_bytes != remote.token_bytes:
+        raise LayoutError(f"token size differs: local {local.token_bytes} B, remote {remote.token_bytes} B")
     seg = np.array(
         [(s.local_block, s.local_row, s.remote_block, s.remote_row, s.num_tokens) for s in segments], dtype=np.int64
     )  # [num_segments, 5]
@@ -143,6 +175,35 @@ def descriptors(local: BlockLayout, remote: BlockLayout, segments: list[Segment]
     return table(l_addr, local.device_id), table(r_addr, remote.device_id)
 
 
-def num_bytes(layout: BlockLayout, segments: list[Segment]) -> int:
-    """Bytes a transfer of these segments moves (all regions)."""
-    return layout.num_regions * layout.token_bytes * sum(s.num_tokens for s in segments)
+def _head_rows(
+    local: BlockLayout, remote: BlockLayout, segments: list[Segment], heads: Heads
+) -> tuple[np.ndarray, np.ndarray]:
+    """One row per (segment token, region): heads.num heads of one token of one (layer, K/V)."""
+    for side, layout, first in (("local", local, heads.local), ("remote", remote, heads.remote)):
+        if not (heads.num >= 1 and 0 <= first and first + heads.num <= layout.num_heads):
+            raise LayoutError(f"{side} heads [{first}, {first + heads.num}) outside its {layout.num_heads} heads")
+    seg = np.array(
+        [(s.local_block, s.local_row, s.remote_block, s.remote_row, s.num_tokens) for s in segments], dtype=np.int64
+    )  # [num_segments, 5]
+    lb, lr, rb, rr, n = seg.T
+    tok = np.repeat(np.arange(len(seg)), n)  # [num_tokens]: the segment of each token
+    row = np.arange(len(tok)) - np.repeat(np.cumsum(n) - n, n)  # token index inside its segment
+    region = np.arange(local.num_regions)
+    l_tok = local.base_addr + lb[tok] * local.block_stride + (lr[tok] + row) * local.token_bytes
+    r_tok = remote.base_addr + rb[tok] * remote.block_stride + (rr[tok] + row) * remote.token_bytes
+    l_addr = (l_tok[:, None] + region[None, :] * local.region_bytes).ravel() + heads.local * local.head_bytes
+    r_addr = (r_tok[:, None] + region[None, :] * remote.region_bytes).ravel() + heads.remote * remote.head_bytes
+    length = heads.num * local.head_bytes
+
+    def table(addr: np.ndarray, device_id: int) -> np.ndarray:
+        out = np.empty((len(addr), 3), dtype=np.uint64)
+        out[:, 0], out[:, 1], out[:, 2] = addr, length, device_id
+        return out
+
+    return table(l_addr, local.device_id), table(r_addr, remote.device_id)
+
+
+def num_bytes(layout: BlockLayout, segments: list[Segment], heads: Heads | None = None) -> int:
+    """Bytes a transfer of these segments moves (all regions; of heads.num heads when a slice is given)."""
+    row = layout.token_bytes if heads is None else heads.num * layout.head_bytes
+    return layout.num_regions * row * sum(s.num_tokens for s in segments)

@@ -14,13 +14,17 @@ from typing import Any, get_type_hints
 
 import msgpack
 
+from pdserve.transfer.heads import mapping_error
+
 # 1: first version — handshake, ping, pull release, push register/done/cancel/cancel-ack/fail (2026-11-30).
 # 2: PushRegister.keepalive_ms and PushQueued: P says a registered prefill is queued or running (2026-11-30).
 # 3: the KV cache is block-major [blocks, layers, 2, block_size, heads, head_dim] (addresses differ) (2026-12-01).
 # 4: Sealed (a side-channel frame with an HMAC over a nonce, a timestamp and the message) and Refused (2026-12-02).
 # 5: PullRelease.block_ids and PullReleaseAck (D runs a pull only once P confirms the pin held); PeerInfo.epoch
 #    and Pong.epoch (a restarted peer is recognised) (2026-12-02).
-WIRE_VERSION = 5
+# 6: tensor parallelism: PeerInfo.total_kv_heads and .rank_ports (every rank's side channel); the compatibility
+#    hash covers the model's KV heads, not a rank's; D registers with / releases to every P rank (2026-12-03).
+WIRE_VERSION = 6
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 
@@ -50,6 +54,8 @@ class PeerInfo:
     memory: str  # "DRAM" | "VRAM"
     tp_rank: int
     tp_size: int
+    total_kv_heads: int  # the model's KV heads (num_kv_heads is this rank's share, heads.py)
+    rank_ports: list[int]  # side-channel port of every rank, on this host (rank 0's handshake lists them all)
     compat_hash: str
     epoch: int  # this process's start (time.time_ns()): a restarted peer at the same address has another
 
@@ -282,7 +288,7 @@ def decode(data: bytes) -> Message:
 
 
 # ---- compatibility --------------------------------------------------------------------------------------------
-COMPAT_FIELDS = ("model_name", "dtype", "num_layers", "num_kv_heads", "head_dim", "transfer_mode", "wire_version")
+COMPAT_FIELDS = ("model_name", "dtype", "num_layers", "total_kv_heads", "head_dim", "transfer_mode", "wire_version")
 
 
 def compat_hash(values: dict[str, Any]) -> str:
@@ -291,10 +297,11 @@ def compat_hash(values: dict[str, Any]) -> str:
     return hashlib.sha256(packed).hexdigest()[:16]
 
 
-def incompatibility(local: PeerInfo, peer: PeerInfo) -> str | None:
-    """None if the two can exchange KV, else an error naming both sides' values."""
+def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = False) -> str | None:
+    """None if the two can exchange KV, else an error naming both sides' values (for tensor-parallel sizes that
+    cannot map, both sides' TP sizes and KV head counts, as heads.mapping_error words it)."""
     if local.compat_hash == peer.compat_hash == compat_hash(dataclasses.asdict(peer)):
-        return None
+        return _mapping(local, peer, local_is_producer)
     diffs = []
     for name in COMPAT_FIELDS:
         mine, theirs = getattr(local, name), getattr(peer, name)
@@ -307,3 +314,10 @@ def incompatibility(local: PeerInfo, peer: PeerInfo) -> str | None:
     if not diffs:
         diffs.append(f"compatibility hash: peer sent {peer.compat_hash}, this instance has {local.compat_hash}")
     return f"incompatible with peer engine {peer.engine_id!r}: " + "; ".join(diffs)
+
+
+def _mapping(local: PeerInfo, peer: PeerInfo, local_is_producer: bool) -> str | None:
+    """Whether the two instances' tensor-parallel sizes map (the model's heads are equal: the hash matched)."""
+    p, d = (local, peer) if local_is_producer else (peer, local)
+    err = mapping_error(p.total_kv_heads, p.tp_size, d.total_kv_heads, d.tp_size)
+    return None if err is None else f"incompatible with peer engine {peer.engine_id!r}: {err}"

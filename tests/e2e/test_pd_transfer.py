@@ -258,7 +258,7 @@ def test_incompatible_instances_refused_naming_both(cl: Cluster) -> None:
     message = error_message(resp)
     assert "decode" in message and "incompatible" in message, message
     assert "peer has 'mistral', this instance has 'llama'" in message
-    assert "num_kv_heads: peer has 1, this instance has 2" in message
+    assert "total_kv_heads: peer has 1, this instance has 2" in message
     assert_all_free(cl.d_pull, cl.p_other)  # P's pinned blocks go when the lease ends
 
 

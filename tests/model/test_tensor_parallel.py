@@ -157,9 +157,11 @@ def test_refuses_heads_that_cannot_split(tmp_path: Path) -> None:
         LLM(str(folder), load_format="dummy", tensor_parallel_size=2)
 
 
-def test_config_refuses_disaggregated_tp() -> None:
-    with pytest.raises(ConfigError, match="issue 13"):
-        EngineConfig(ModelConfig("x"), transfer=TransferConfig(role="prefill"), parallel=ParallelConfig(2))
+def test_config_allows_disaggregated_tp_but_push_decode() -> None:
+    EngineConfig(ModelConfig("x"), transfer=TransferConfig(role="prefill", mode="push"), parallel=ParallelConfig(2))
+    EngineConfig(ModelConfig("x"), transfer=TransferConfig(role="decode", mode="pull"), parallel=ParallelConfig(2))
+    with pytest.raises(ConfigError, match="push decode instance runs one rank"):
+        EngineConfig(ModelConfig("x"), transfer=TransferConfig(role="decode", mode="push"), parallel=ParallelConfig(2))
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
         ParallelConfig(0)
 
@@ -168,6 +170,8 @@ def test_step_plan_round_trip() -> None:
     plan = StepPlan(PlanKind.STEP, [PlanChunk([5, 6, 7], 0, [3], False), PlanChunk([9], 12, [4, 8, 1, 2], True)])
     assert decode(encode(plan)) == plan
     assert decode(encode(SHUTDOWN)) == SHUTDOWN
+    transfer = StepPlan(PlanKind.TRANSFER, [], b"\x81\xa1v\x01")
+    assert decode(encode(transfer)) == transfer
     data = encode(plan)
     with pytest.raises(PlanError, match="version"):
         decode((99).to_bytes(8, "little") + data[8:])

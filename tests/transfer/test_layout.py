@@ -99,8 +99,10 @@ def test_errors_name_the_problem():
         token_segments(lay(4), [16], lay(4), [0], 0, 2)
     with pytest.raises(LayoutError, match="remote has 1 blocks of 4 tokens, 2 needed"):
         token_segments(lay(4), [0, 1], lay(4), [0], 0, 5)
-    with pytest.raises(LayoutError, match="token size differs"):
+    with pytest.raises(LayoutError, match="head size differs"):
         token_segments(lay(4), [0], BlockLayout(0, 2, 16, 4, 64), [0], 0, 1)
+    with pytest.raises(LayoutError, match="token size differs"):  # two heads of 32 B vs one: a slice is needed
+        descriptors(lay(4), BlockLayout(0, 2, 16, 4, 64, 0, 2), token_segments(lay(4), [0], lay(4), [0], 0, 1))
     segs = token_segments(lay(4), [0], lay(4), [0], 0, 4)
     with pytest.raises(LayoutError, match="layer count differs"):
         descriptors(lay(4), lay(4, layers=3), segs)

@@ -26,11 +26,13 @@ from pdserve.transfer.wire import (
 
 
 def info(**kw) -> PeerInfo:
-    v = dict(model_name="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4, transfer_mode="pull",
+    tp = {k: kw.pop(k) for k in ("tp_size", "num_kv_heads") if k in kw}
+    v = dict(model_name="m", dtype="float32", num_layers=2, total_kv_heads=2, head_dim=4, transfer_mode="pull",
              wire_version=WIRE_VERSION)  # fmt: skip
     v.update(kw)
     return PeerInfo(engine_id="e1", agent_name="a1", agent_metadata=b"\x00md", base_addr=1 << 40, num_blocks=16,
-                    block_size=4, token_bytes=32, device_id=0, memory="DRAM", tp_rank=0, tp_size=1,
+                    block_size=4, token_bytes=32, device_id=0, memory="DRAM", tp_rank=0,
+                    tp_size=tp.get("tp_size", 1), num_kv_heads=tp.get("num_kv_heads", 2), rank_ports=[5000, 5001],
                     compat_hash=compat_hash(v), epoch=1_700_000_000_000_000_000, **v)  # fmt: skip
 
 
@@ -114,3 +116,12 @@ def test_compatible_and_mode_mismatch_names_both_sides():
 def test_forged_hash_is_refused():
     bad = dataclasses.replace(info(), compat_hash="0" * 16)
     assert "compatibility hash" in incompatibility(info(), bad)
+
+
+def test_tp_mapping_that_cannot_work_names_both_sides():
+    # 2 KV heads: P TP 2 (one head each) -> D TP 4 (replicated) maps; P TP 3 can neither split nor replicate
+    assert incompatibility(info(tp_size=4, num_kv_heads=1), info(tp_size=2, num_kv_heads=1)) is None
+    err = incompatibility(info(tp_size=4, num_kv_heads=1), info(tp_size=3, num_kv_heads=1))
+    assert err is not None and "prefill TP 3 with 2 KV heads, decode TP 4 with 2 KV heads" in err
+    err = incompatibility(info(tp_size=3, num_kv_heads=1), info(tp_size=1), local_is_producer=True)
+    assert err is not None and "prefill TP 3 with 2 KV heads, decode TP 1 with 2 KV heads" in err

@@ -13,12 +13,16 @@ class SchedulerBase:
     """D side: the RecvTask of an allocated request; the per-step StepMeta; P's answers until asked for.
     Subclasses add on_request_finished (P side)."""
 
-    def __init__(self, cfg: TransferConfig, block_size: int, host: str, port: int, tp_size: int = 1) -> None:
+    def __init__(
+        self, cfg: TransferConfig, block_size: int, host: str, port: int, tp_size: int = 1,
+        rank_ports: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.block_size = block_size
         self.host = host  # side channel address peers dial (the bound port, also when 0 was asked for)
         self.port = port
         self.tp_size = tp_size
+        self.rank_ports = (port, *rank_ports) if tp_size > 1 else ()  # every rank's side channel, on host
         self.meta = StepMeta()  # what the next build_step_meta() hands over
         self._answers: dict[str, KVAnswer] = {}  # P: request id -> its response's params, until take_answer()
 
@@ -67,6 +71,7 @@ class SchedulerBase:
             "side_channel_host": self.host,
             "side_channel_port": self.port,
             "tp_size": self.tp_size,
+            "side_channel_ports": list(self.rank_ports) or [self.port],  # rank r's side channel, on host
             "block_size": self.block_size,
             "transfer_mode": self.cfg.mode,
             "kv_role": self.cfg.role,

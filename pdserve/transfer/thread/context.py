@@ -9,7 +9,8 @@ import numpy as np
 
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import KVCacheSpec, StepMeta
-from pdserve.transfer.layout import BlockLayout
+from pdserve.transfer.heads import sources
+from pdserve.transfer.layout import BlockLayout, Heads
 from pdserve.transfer.staging import Stager
 from pdserve.transfer.thread.agent import AgentError, NixlAgent, Xfer
 from pdserve.transfer.thread.handshake import SideChannel
@@ -34,6 +35,22 @@ class TransferContext:
     sink: ResultSink
     peers: Peers
     stager: Stager | None = None  # kv_buffer_device "cpu" with a CUDA cache: NIXL moves a host mirror (staging.py)
+
+    def heads_from(self, producer: PeerInfo) -> dict[int, Heads]:
+        """Consumer side: producer rank -> the head slice this rank receives from it (heads.py); ranks missing
+        send this rank nothing."""
+        out: dict[int, Heads] = {}
+        for s in sources(self.spec.model_kv_heads, producer.tp_size, self.spec.tp_size, self.spec.tp_rank):
+            out[s.producer_rank] = Heads(s.consumer_offset, s.producer_offset, s.num_heads)
+        return out
+
+    def heads_to(self, consumer: PeerInfo) -> Heads | None:
+        """Producer side: the head slice this rank sends the consumer rank (as local = this rank's heads), or
+        None when that consumer gets its heads from other ranks."""
+        for s in sources(self.spec.model_kv_heads, self.spec.tp_size, consumer.tp_size, consumer.tp_rank):
+            if s.producer_rank == self.spec.tp_rank:
+                return Heads(s.producer_offset, s.consumer_offset, s.num_heads)
+        return None
 
     def post(
         self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, notif: bytes = b"", remote_memory: str = ""

@@ -29,6 +29,7 @@ HANDSHAKE_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 2.0
 
 PeerCallback = Callable[["Peer | None", "str | None"], None]  # (peer, error) — exactly one is None
+RanksCallback = Callable[["dict[int, Peer] | None", "str | None"], None]  # (peer per rank, error)
 
 
 @dataclass
@@ -49,7 +50,13 @@ class Peer:
 
 def layout_of(info: PeerInfo) -> BlockLayout:
     return BlockLayout(
-        info.base_addr, info.num_layers, info.num_blocks, info.block_size, info.token_bytes, info.device_id
+        info.base_addr,
+        info.num_layers,
+        info.num_blocks,
+        info.block_size,
+        info.token_bytes,
+        info.device_id,
+        info.num_kv_heads,
     )
 
 
@@ -97,6 +104,41 @@ class Peers:
         self.side.request(
             host, port, req, HANDSHAKE_TIMEOUT_S, lambda r, e: self.loop.post(lambda: self._on_reply(key, r, e))
         )
+
+    def connect_ranks(
+        self, host: str, port: int, engine_id: str | None, load_me: bool, callback: RanksCallback
+    ) -> None:
+        """Handshake with every tensor-parallel rank of the instance whose rank 0 listens at host:port: rank 0
+        first (its handshake lists every rank's side-channel port, on its host), then the others, each cached
+        like connect(); callback({rank: peer}, None) once all answered, or callback(None, error) at the first
+        failure. Every rank must say it is that rank of the same engine and TP size."""
+        peers: dict[int, Peer] = {}
+        failed: list[str] = []  # the first error (then nothing more is reported)
+
+        def on_rank(rank: int, peer: Peer | None, error: str | None) -> None:
+            if failed:
+                return
+            size = peers[0].info.tp_size if rank else (peer.info.tp_size if peer is not None else 1)
+            if peer is not None and (peer.info.tp_rank != rank or peer.info.tp_size != size):
+                error = (f"{host}: the handshake of rank {rank} says rank {peer.info.tp_rank} of {peer.info.tp_size}, "
+                         f"rank 0 announced {size} ranks")  # fmt: skip
+            elif peer is not None and rank == 0 and size > 1 and len(peer.info.rank_ports) != size:
+                error = f"{host}: rank 0 announced {size} ranks but {len(peer.info.rank_ports)} side-channel ports"
+            if error is not None or peer is None:
+                failed.append(error or "no peer")
+                callback(None, error)
+                return
+            peers[rank] = peer
+            if rank == 0:
+                for r in range(1, size):
+                    self.connect(host, peer.info.rank_ports[r], peer.engine_id, load_me, rank_callback(r))
+            if len(peers) == size:
+                callback(dict(peers), None)
+
+        def rank_callback(rank: int) -> PeerCallback:
+            return lambda p, e: on_rank(rank, p, e)
+
+        self.connect(host, port, engine_id, load_me, rank_callback(0))
 
     def _on_reply(self, key: tuple[str, int], reply: Message | None, error: str | None) -> None:
         waiters = self._waiting.pop(key, [])

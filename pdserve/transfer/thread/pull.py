@@ -17,7 +17,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.transfer.base import RecvTask, SendTask, StepMeta
 from pdserve.transfer.faults import FaultPoint
@@ -50,22 +50,40 @@ class ReadState(enum.Enum):
 
 @dataclass
 class _Read:
-    """D: one request's pull, from handshake to READ done."""
+    """D: one request's pull (this rank's heads), from handshake to every READ done and every P rank's ack."""
 
     task: RecvTask
     remote: PullSource
     state: ReadState = ReadState.HANDSHAKE
-    peer: Peer | None = None
-    xfer: Xfer | None = None
-    cancelled: bool = False  # aborted by the engine: report as cancelled when the READ is over
-    released: bool = False  # the PullRelease was sent (P is told exactly once)
+    peers: dict[int, Peer] = field(default_factory=dict)  # P rank -> peer (every rank of P; rank 0 first)
+    xfers: dict[int, Xfer] = field(default_factory=dict)  # P rank -> the READ of this rank's heads it holds
+    unacked: set[int] = field(default_factory=set)  # P ranks whose PullReleaseAck is awaited
+    cancelled: bool = False  # aborted by the engine: report as cancelled when the READs are over
+    released: set[int] = field(default_factory=set)  # P ranks sent a PullRelease (each is told exactly once)
     posted_at: float = 0.0
 
     @property
-    def ack_key(self) -> tuple[str, str]:
-        """(P's agent, P's request id): how P's PullReleaseAck finds this read."""
-        assert self.peer is not None
-        return self.peer.agent_name, self.remote.request_id
+    def peer(self) -> Peer | None:
+        """P's rank 0 (the address in the params)."""
+        return self.peers.get(0)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(x.num_bytes for x in self.xfers.values())
+
+    def ack_keys(self) -> list[tuple[str, str]]:
+        """(P rank's agent, P's request id): how each P rank's PullReleaseAck finds this read."""
+        return [(p.agent_name, self.remote.request_id) for p in self.peers.values()]
+
+
+@dataclass
+class _Pin:
+    """P: one request's blocks on this rank, pinned until every rank of the consumer released them."""
+
+    send: SendTask
+    released_by: set[str] = field(default_factory=set)  # D ranks' agents whose release held
+    ok: bool = True  # every release so far said ok
+    num_bytes: int = 0  # bytes the consumer ranks read from this rank
 
 
 class PullCore:
@@ -73,8 +91,8 @@ class PullCore:
 
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
-        self.pinned: dict[str, SendTask] = {}  # P: request id -> blocks pinned until release or lease
-        self.early: OrderedDict[str, tuple[str, PullRelease]] = OrderedDict()  # P: (sender, release) before the pin
+        self.pinned: dict[str, _Pin] = {}  # P: request id -> blocks pinned until every D rank's release or lease
+        self.early: OrderedDict[str, list[tuple[str, PullRelease]]] = OrderedDict()  # P: releases before the pin
         self.gone: OrderedDict[str, str] = OrderedDict()  # P: request id -> why its pin ended without a release
         self.reads: dict[str, _Read] = {}  # D: request id -> pull in progress
         self.confirming: dict[tuple[str, str], str] = {}  # D: _Read.ack_key -> request id
@@ -119,31 +137,38 @@ class PullCore:
             self.ctx.sink.send_finished(rid, SendOutcome.FAILED)
             return
         self.gone.pop(rid, None)
-        self.pinned[rid] = send
+        self.pinned[rid] = _Pin(send)
         self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire(rid, send))
-        if (early := self.early.pop(rid, None)) is not None:  # the engine held the blocks meanwhile: still pinned
+        for early in self.early.pop(rid, []):  # the engine held the blocks meanwhile: still pinned
             self._on_release(*early)
 
     def _on_release(self, sender: str, msg: PullRelease) -> None:
-        """D is done with (or gave up on) a pin. Only a pin of exactly the release's blocks is freed."""
+        """A D rank is done with (or gave up on) a pin. Only a pin of exactly the release's blocks is freed, once
+        every rank of the consumer released it (each D rank releases every P rank, READ from it or not)."""
         rid = msg.request_id
-        send = self.pinned.get(rid)
-        if send is None:
+        pin = self.pinned.get(rid)
+        if pin is None:
             if (why := self.gone.get(rid)) is not None:
                 self._ack(sender, msg, False, why)
             else:  # before its SendTask (the engine holds the blocks until then), or unknown: answered at the pin
-                self.early[rid] = (sender, msg)
+                self.early.setdefault(rid, []).append((sender, msg))
                 while len(self.early) > MAX_EARLY_RELEASES:
                     self.early.popitem(last=False)
             return
+        send = pin.send
         if list(send.block_ids) != msg.block_ids:
             log.warning("pull: release of %s names blocks %s, the pin holds %s; pin kept", rid, msg.block_ids,
                         list(send.block_ids))  # fmt: skip
             self._ack(sender, msg, False, "the release names other blocks than the pin holds")
             return
-        del self.pinned[rid]
-        self.ctx.sink.send_finished(rid, SendOutcome.OK if msg.ok else SendOutcome.FAILED, msg.num_bytes)
+        consumer = self.ctx.peers.by_agent(sender)
+        num_consumers = consumer.info.tp_size if consumer is not None else 1
+        pin.released_by.add(sender)
+        pin.ok, pin.num_bytes = pin.ok and msg.ok, pin.num_bytes + msg.num_bytes
         self._ack(sender, msg, True, "")
+        if len(pin.released_by) >= num_consumers:
+            del self.pinned[rid]
+            self.ctx.sink.send_finished(rid, SendOutcome.OK if pin.ok else SendOutcome.FAILED, pin.num_bytes)
 
     def _ack(self, sender: str, msg: PullRelease, held: bool, reason: str) -> None:
         if not msg.ok:
@@ -157,7 +182,8 @@ class PullCore:
             log.warning("pull: could not answer the release of %s: %s", msg.request_id, e)
 
     def _expire(self, rid: str, send: SendTask) -> None:
-        if self.pinned.get(rid) is send:
+        pin = self.pinned.get(rid)
+        if pin is not None and pin.send is send:
             log.info("pull: lease of %s expired after %g s; freeing its blocks", rid, self.ctx.cfg.lease_s)
             self._unpin(rid, f"the lease of {self.ctx.cfg.lease_s:g} s expired", SendOutcome.EXPIRED)
 
@@ -184,21 +210,21 @@ class PullCore:
         rd = _Read(task, remote)
         self.reads[rid] = rd
         self.ctx.thread.call_at(now + self.ctx.cfg.recv_timeout_s, lambda: self._timeout(rid, rd))
-        self.ctx.peers.connect(  # load_me: P answers our PullRelease with a notification
-            remote.host, remote.port, remote.engine_id, True, lambda p, e: self._on_peer(rid, rd, p, e)
+        self.ctx.peers.connect_ranks(  # load_me: P answers our PullRelease with a notification
+            remote.host, remote.port, remote.engine_id, True, lambda p, e: self._on_peers(rid, rd, p, e)
         )
 
-    def _on_peer(self, rid: str, rd: _Read, peer: Peer | None, error: str | None) -> None:
-        rd.peer = peer
+    def _on_peers(self, rid: str, rd: _Read, peers: dict[int, Peer] | None, error: str | None) -> None:
+        rd.peers = peers or {}
         if self.reads.get(rid) is not rd:  # cancelled or timed out meanwhile: just free P's blocks early
-            self._release(rd, ok=False, nbytes=0)
+            self._release(rd, ok=False)
             return
-        if peer is None:
+        if peers is None:
             self._end(rid, rd, f"handshake with {rd.remote.host}:{rd.remote.port} failed: {error}")
             return
-        task, remote = rd.task, rd.remote
-        if remote.block_size is not None and remote.block_size != peer.info.block_size:
-            self._end(rid, rd, f"params say block size {remote.block_size}, P reports {peer.info.block_size}")
+        task, remote, info = rd.task, rd.remote, peers[0].info
+        if remote.block_size is not None and remote.block_size != info.block_size:
+            self._end(rid, rd, f"params say block size {remote.block_size}, P reports {info.block_size}")
             return
         if task.num_tokens == 0:  # nothing read: the release needs no confirmation
             self._end(rid, rd, None)
@@ -207,62 +233,78 @@ class PullCore:
         self.ctx.cfg.faults.defer(FaultPoint.READ, self.ctx.thread.call_at, lambda: self._post(rid, rd))
 
     def _post(self, rid: str, rd: _Read) -> None:
+        """One READ per P rank that holds heads of this rank (heads.py), all posted at once."""
         if self.reads.get(rid) is not rd:
             return
-        task, remote, peer = rd.task, rd.remote, rd.peer
-        assert peer is not None
         if rd.cancelled:
             self._end(rid, rd, None)
             return
-        try:
-            segs = token_segments(self.ctx.layout, task.block_ids, peer.layout, remote.block_ids,
-                                  task.start_token, task.num_tokens)  # fmt: skip
-            local_descs, remote_descs = descriptors(self.ctx.layout, peer.layout, segs)
-            rd.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the READ
-            rd.xfer = self.ctx.post("READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory)
-        except (LayoutError, AgentError) as e:
-            if isinstance(e, PeerGone):
-                self.ctx.peers.forget(peer)
-            self._end(rid, rd, f"READ from {peer.engine_id} not posted: {e}")
-            return
+        task, remote = rd.task, rd.remote
+        rd.posted_at, posted_wall = time.monotonic(), time.time()  # a post may complete its READ
+        for p_rank, heads in self.ctx.heads_from(rd.peers[0].info).items():
+            peer = rd.peers[p_rank]
+            try:
+                segs = token_segments(self.ctx.layout, task.block_ids, peer.layout, remote.block_ids,
+                                      task.start_token, task.num_tokens)  # fmt: skip
+                local_descs, remote_descs = descriptors(self.ctx.layout, peer.layout, segs, heads)
+                xfer = self.ctx.post("READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory)
+            except (LayoutError, AgentError) as e:
+                if isinstance(e, PeerGone):
+                    self.ctx.peers.forget(peer)
+                self._abort_reads(rd)
+                self._end(rid, rd, f"READ from {peer.engine_id} rank {p_rank} not posted: {e}")
+                return
+            rd.xfers[p_rank] = xfer
+            self.ctx.sink.posted(xfer.num_descs, xfer.post_seconds)
+            if num_bytes(self.ctx.layout, segs, heads) != xfer.num_bytes:  # a bug in layout.py, never the peer's
+                log.error("pull: descriptor bytes %d != segment bytes", xfer.num_bytes)
         rd.state = ReadState.READING
         self.ctx.sink.event(rid, "transfer_posted", posted_wall)
-        self.ctx.sink.posted(rd.xfer.num_descs, rd.xfer.post_seconds)
-        if num_bytes(self.ctx.layout, segs) != rd.xfer.num_bytes:  # a bug in layout.py, never the peer's fault
-            log.error("pull: descriptor bytes %d != segment bytes", rd.xfer.num_bytes)
         self._check(rid, rd)
 
+    def _abort_reads(self, rd: _Read) -> None:
+        for xfer in rd.xfers.values():  # best effort; _end frees the blocks only when nothing is in flight
+            self.ctx.agent.abort(xfer)
+
     def _check(self, rid: str, rd: _Read) -> None:
-        assert rd.xfer is not None and rd.peer is not None
-        try:
-            state = self.ctx.agent.check(rd.xfer)
-        except PeerGone as e:
-            self.ctx.peers.forget(rd.peer)
-            self._end(rid, rd, f"prefill instance {rd.peer.engine_id} went away during the READ: {e}")
-            return
-        if state is XferState.DONE:
+        for p_rank, xfer in rd.xfers.items():
+            peer = rd.peers[p_rank]
+            try:
+                state = self.ctx.agent.check(xfer)
+            except PeerGone as e:
+                self.ctx.peers.forget(peer)
+                self._abort_reads(rd)
+                self._end(rid, rd, f"prefill instance {peer.engine_id} rank {p_rank} went away during the READ: {e}")
+                return
+            if state is XferState.ERR:
+                self._abort_reads(rd)
+                self._end(rid, rd, f"READ from {peer.engine_id} rank {p_rank} failed")
+                return
+        if all(x.state is XferState.DONE for x in rd.xfers.values()):
             self.ctx.sink.event(rid, "transfer_done")
             self._landed(rid, rd)
-        elif state is XferState.ERR:
-            self._end(rid, rd, f"READ from {rd.peer.engine_id} failed")
 
     def _landed(self, rid: str, rd: _Read) -> None:
-        """The READ is DONE: release P's pin and wait for P to confirm it held throughout."""
+        """Every READ is DONE: release every P rank's pin and wait for each to confirm it held throughout."""
         if rd.cancelled:
             self._end(rid, rd, None)
             return
-        assert rd.peer is not None and rd.xfer is not None
-        rd.released = True
-        rel = PullRelease(rd.remote.request_id, True, rd.xfer.num_bytes, list(rd.remote.block_ids))
-        try:
-            self.ctx.agent.send_notif(rd.peer.agent_name, encode(rel))
-        except AgentError as e:
-            if isinstance(e, PeerGone):
-                self.ctx.peers.forget(rd.peer)
-            self._end(rid, rd, f"release not sent to {rd.peer.engine_id}, so the READ is unconfirmed: {e}")
-            return
+        for p_rank, peer in rd.peers.items():
+            xfer = rd.xfers.get(p_rank)
+            rel = PullRelease(rd.remote.request_id, True, xfer.num_bytes if xfer else 0, list(rd.remote.block_ids))
+            rd.released.add(p_rank)
+            try:
+                self.ctx.agent.send_notif(peer.agent_name, encode(rel))
+            except AgentError as e:
+                if isinstance(e, PeerGone):
+                    self.ctx.peers.forget(peer)
+                self._end(
+                    rid, rd, f"release not sent to {peer.engine_id} rank {p_rank}, so the READ is unconfirmed: {e}"
+                )
+                return
+            rd.unacked.add(p_rank)
+            self.confirming[(peer.agent_name, rd.remote.request_id)] = rid
         rd.state = ReadState.CONFIRMING
-        self.confirming[rd.ack_key] = rid
         deadline = self.ctx.cfg.peer_timeout_s
         self.ctx.thread.call_at(time.monotonic() + deadline, lambda: self._confirm_timeout(rid, rd))
 
@@ -272,8 +314,13 @@ class PullCore:
         if rid is None or rd is None:
             log.debug("pull: ack for %s from %s matches no read", msg.request_id, sender)
             return
+        p_rank = next((r for r, p in rd.peers.items() if p.agent_name == sender), -1)
+        rd.unacked.discard(p_rank)
+        self.ctx.sink.event(rid, f"pull_ack.r{self.ctx.spec.tp_rank}.p{p_rank}")
         if not msg.held:
             self._end(rid, rd, f"the prefill instance's pin did not hold until the READ was over ({msg.reason})")
+        elif rd.unacked:
+            return  # other P ranks still to confirm
         elif rd.cancelled:
             self._end(rid, rd, None)
         else:  # staging: the data is in the mirror; copy it into the KV cache before reporting
@@ -287,41 +334,46 @@ class PullCore:
             self._end(rid, rd, f"the prefill instance did not confirm its pin within {t:g} s; the READ is unused")
 
     def _peer_dead(self, peer: Peer) -> None:
-        """Liveness: P is gone (or restarted); nothing more lands from it, nothing will confirm."""
+        """Liveness: a P rank is gone (or restarted); nothing more lands from it, nothing will confirm."""
         for rid, rd in list(self.reads.items()):
-            if rd.peer is None or rd.peer.agent_name != peer.agent_name or rd.state is ReadState.STAGING:
+            names = {p.agent_name for p in rd.peers.values()}
+            if peer.agent_name not in names or rd.state is ReadState.STAGING:
                 continue
-            if rd.xfer is not None and rd.state is ReadState.READING:
-                self.ctx.agent.abort(rd.xfer)  # best effort: the process that could write is gone
-            self._end(rid, rd, f"prefill instance {peer.engine_id} is gone")
+            if rd.state is ReadState.READING:
+                self._abort_reads(rd)  # best effort: the process that could write is gone
+            self._end(rid, rd, f"prefill instance {peer.engine_id} (rank {peer.info.tp_rank}) is gone")
 
     def _end(self, rid: str, rd: _Read, error: str | None) -> None:
-        """The recv is over and its blocks are safe: report it once, then free P's blocks."""
+        """The recv is over and its blocks are safe: report it once, then free P's blocks on every rank."""
         del self.reads[rid]
-        if rd.peer is not None:
-            self.confirming.pop(rd.ack_key, None)
-        nbytes = rd.xfer.num_bytes if rd.xfer is not None and error is None else 0
+        for key in rd.ack_keys():
+            self.confirming.pop(key, None)
+        nbytes = rd.num_bytes if error is None else 0
         if rd.cancelled:
             self.ctx.sink.recv_cancelled(rid)
         elif error is None:
-            secs = time.monotonic() - rd.posted_at if rd.xfer is not None else None
+            secs = time.monotonic() - rd.posted_at if rd.xfers else None
             self.ctx.sink.recv_finished(rid, nbytes, secs)
         else:
             log.warning("pull of %s failed: %s", rid, error)
             self.ctx.sink.recv_failed(rid, error)
-        self._release(rd, ok=error is None and not rd.cancelled, nbytes=nbytes)
+        self._release(rd, ok=error is None and not rd.cancelled)
 
-    def _release(self, rd: _Read, ok: bool, nbytes: int) -> None:
-        if rd.released or rd.peer is None or self.ctx.peers.by_agent(rd.peer.agent_name) is None:
-            return  # told already, or no live peer to tell (its lease frees the blocks)
-        rd.released = True
-        rel = PullRelease(rd.remote.request_id, ok, nbytes, list(rd.remote.block_ids))
-        try:
-            self.ctx.agent.send_notif(rd.peer.agent_name, encode(rel))
-        except AgentError as e:
-            log.warning("pull: could not release %s on %s: %s", rd.remote.request_id, rd.peer.engine_id, e)
-            if isinstance(e, PeerGone):
-                self.ctx.peers.forget(rd.peer)
+    def _release(self, rd: _Read, ok: bool) -> None:
+        """Tell every P rank not told yet that this rank is done with the pin (its lease frees it otherwise)."""
+        for p_rank, peer in rd.peers.items():
+            if p_rank in rd.released or self.ctx.peers.by_agent(peer.agent_name) is None:
+                continue
+            rd.released.add(p_rank)
+            xfer = rd.xfers.get(p_rank)
+            nbytes = xfer.num_bytes if ok and xfer is not None else 0
+            rel = PullRelease(rd.remote.request_id, ok, nbytes, list(rd.remote.block_ids))
+            try:
+                self.ctx.agent.send_notif(peer.agent_name, encode(rel))
+            except AgentError as e:
+                log.warning("pull: could not release %s on %s: %s", rd.remote.request_id, peer.engine_id, e)
+                if isinstance(e, PeerGone):
+                    self.ctx.peers.forget(peer)
 
     def _timeout(self, rid: str, rd: _Read) -> None:
         if self.reads.get(rid) is not rd or rd.state in (ReadState.STAGING, ReadState.CONFIRMING):
@@ -329,9 +381,9 @@ class PullCore:
         timeout = self.ctx.cfg.recv_timeout_s
         if rd.state in (ReadState.HANDSHAKE, ReadState.POSTING):
             self._end(rid, rd, f"no handshake with {rd.remote.host}:{rd.remote.port} within {timeout:g} s")
-        elif rd.xfer is not None and self.ctx.agent.abort(rd.xfer):
+        elif all(self.ctx.agent.abort(x) for x in rd.xfers.values()):
             self._end(rid, rd, f"READ not done within {timeout:g} s (cancelled)")
-        else:  # NIXL could not cancel it: the READ may still land, so the blocks stay held
+        else:  # NIXL could not cancel one: it may still land, so the blocks stay held
             self.ctx.thread.call_at(time.monotonic() + ABORT_RETRY_S, lambda: self._timeout(rid, rd))
 
     def _cancel(self, rid: str) -> None:

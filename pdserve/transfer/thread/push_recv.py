@@ -72,7 +72,8 @@ class _Wait:
     task: RecvTask
     remote: PushSource
     state: WaitState = WaitState.HANDSHAKE
-    peer: Peer | None = None
+    peers: dict[int, Peer] = field(default_factory=dict)  # P rank -> peer; every rank of P is registered with
+    producers: set[int] = field(default_factory=set)  # P ranks that write this rank's heads (heads.py)
     done_ranks: set[int] = field(default_factory=set)  # producers whose data landed
     over_ranks: set[int] = field(default_factory=set)  # producers that will write nothing (more)
     num_bytes: int = 0
@@ -84,9 +85,18 @@ class _Wait:
     fail_reason: str = ""
 
     @property
+    def peer(self) -> Peer | None:
+        """P's rank 0 (the address in the params)."""
+        return self.peers.get(0)
+
+    @property
     def num_producers(self) -> int:
-        """PushDone to count: P's tensor-parallel size as its handshake said (the request's params may lie)."""
-        return self.peer.info.tp_size if self.peer is not None else 1
+        """PushDone to count: the P ranks holding this rank's heads, from both sides' TP sizes and KV heads in
+        P's handshake (never the request's params)."""
+        return len(self.producers)
+
+    def is_producer(self, rank: int) -> bool:
+        return rank in self.producers
 
     @property
     def key(self) -> tuple[str, int]:
@@ -111,35 +121,37 @@ class RecvSide:
             return
         self.waits[rid], self.by_key[w.key] = w, rid
         self.ctx.thread.call_at(now + self.ctx.cfg.recv_timeout_s, lambda: self._timeout(rid, w))
-        self.ctx.peers.connect(
-            remote.host, remote.port, remote.engine_id, True, lambda p, e: self._on_peer(rid, w, p, e)
+        self.ctx.peers.connect_ranks(
+            remote.host, remote.port, remote.engine_id, True, lambda p, e: self._on_peers(rid, w, p, e)
         )
 
-    def _on_peer(self, rid: str, w: _Wait, peer: Peer | None, error: str | None) -> None:
+    def _on_peers(self, rid: str, w: _Wait, peers: dict[int, Peer] | None, error: str | None) -> None:
         if self.waits.get(rid) is not w:
             return  # cancelled or timed out before registering: nothing can be written
-        if peer is None:
+        if peers is None:
             self._end(rid, w, RecvEnd.FAILED, f"handshake with {w.remote.host}:{w.remote.port} failed: {error}")
             return
-        w.peer = peer
+        w.peers, w.producers = peers, set(self.ctx.heads_from(peers[0].info))
         w.state = WaitState.DELAYED  # until _register(): at once, unless a test delays it
         self.ctx.cfg.faults.defer(FaultPoint.REGISTER, self.ctx.thread.call_at, lambda: self._register(rid, w))
 
     def _register(self, rid: str, w: _Wait) -> None:
+        """Register with every P rank, writer or not: each P rank's part of the send ends with this rank's."""
         if self.waits.get(rid) is not w:
             return
-        t, peer = w.task, w.peer
-        assert peer is not None
+        t = w.task
         keepalive_ms = max(MIN_KEEPALIVE_MS, int(self.ctx.cfg.recv_timeout_s * 1000 / KEEPALIVES_PER_TIMEOUT))
         msg = PushRegister(w.remote.transfer_id, t.attempt, self.ctx.local.engine_id, list(t.block_ids),
                            self.ctx.layout.block_size, t.start_token, t.num_tokens, self.ctx.spec.tp_rank,
                            keepalive_ms)  # fmt: skip
         w.state, w.registered_at = WaitState.REGISTERED, time.monotonic()
-        try:
-            self.ctx.agent.send_notif(peer.agent_name, encode(msg))
-        except AgentError as e:  # P may or may not have it: cancel properly
-            self._start_cancel(rid, w, CancelWhy.TIMEOUT, f"registration not sent to {peer.engine_id}: {e}")
-            return
+        for p_rank, peer in w.peers.items():
+            try:
+                self.ctx.agent.send_notif(peer.agent_name, encode(msg))
+            except AgentError as e:  # P may or may not have it: cancel properly
+                why = f"registration not sent to {peer.engine_id} rank {p_rank}: {e}"
+                self._start_cancel(rid, w, CancelWhy.TIMEOUT, why)
+                return
         self.ctx.sink.event(rid, "registration_sent")
 
     # ---- P's notifications ------------------------------------------------------------------------------------------
@@ -152,10 +164,11 @@ class RecvSide:
             log.debug("push: completion for unknown %s attempt %d", msg.transfer_id, msg.attempt)
             return
         rid, w = found
-        if not 0 <= msg.producer_rank < w.num_producers:
-            log.warning("push: completion from rank %d of a %d-rank producer; ignored", msg.producer_rank,
-                        w.num_producers)  # fmt: skip
+        if not w.is_producer(msg.producer_rank):
+            log.warning("push: completion from rank %d, which holds none of this rank's heads; ignored",
+                        msg.producer_rank)  # fmt: skip
             return
+        self.ctx.sink.event(rid, f"push_done.r{self.ctx.spec.tp_rank}.p{msg.producer_rank}")
         w.done_ranks.add(msg.producer_rank)
         w.num_bytes += msg.num_bytes
         self._maybe_over(rid, w)
@@ -172,13 +185,13 @@ class RecvSide:
         if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
             rid, w = found
             w.fail_reason = w.fail_reason or f"prefill instance refused: {msg.reason}"
-            w.over_ranks.update(range(w.num_producers))  # P's ranks fail together
+            w.over_ranks.update(w.producers)  # P's ranks fail together
             self._maybe_over(rid, w)
 
     def on_ack(self, msg: PushCancelAck) -> None:
         if (found := self._lookup(msg.transfer_id, msg.attempt)) is not None:
             rid, w = found
-            if 0 <= msg.producer_rank < w.num_producers:
+            if w.is_producer(msg.producer_rank):
                 (w.done_ranks if msg.landed else w.over_ranks).add(msg.producer_rank)
             self._maybe_over(rid, w)
 
@@ -237,15 +250,14 @@ class RecvSide:
         self._send_cancel(rid, w)
 
     def _send_cancel(self, rid: str, w: _Wait) -> None:
-        peer = w.peer
-        assert peer is not None
-        try:
-            self.ctx.agent.send_notif(peer.agent_name, encode(PushCancel(w.remote.transfer_id, w.task.attempt)))
-        except PeerGone:
-            self._peer_dead(rid, w)
-            return
-        except AgentError as e:
-            log.warning("push: cancel of %s not sent: %s", w.remote.transfer_id, e)
+        for peer in w.peers.values():  # every rank: a non-writer drops the registration it holds
+            try:
+                self.ctx.agent.send_notif(peer.agent_name, encode(PushCancel(w.remote.transfer_id, w.task.attempt)))
+            except PeerGone:
+                self._peer_dead(rid, w, peer)
+                return
+            except AgentError as e:
+                log.warning("push: cancel of %s not sent: %s", w.remote.transfer_id, e)
         self.ctx.thread.call_at(time.monotonic() + PROBE_AFTER_S, lambda: self._probe(rid, w))
 
     def _probe(self, rid: str, w: _Wait) -> None:
@@ -257,7 +269,8 @@ class RecvSide:
         if self.waits.get(rid) is not w:
             return
         if alive is False:
-            self._peer_dead(rid, w)
+            assert w.peer is not None
+            self._peer_dead(rid, w, w.peer)
             return
         if time.monotonic() - w.cancel_at > self.ctx.cfg.recv_timeout_s:
             log.error("push: %s never answered the cancel of %s in %g s; giving its blocks up", w.remote.host,
@@ -274,21 +287,21 @@ class RecvSide:
         if self.waits.get(rid) is not w:
             return
         if peer is not None and w.peer is not None and peer.agent_name != w.peer.agent_name:
-            self._peer_dead(rid, w)  # another process answers there now: ours is gone
+            self._peer_dead(rid, w, w.peer)  # another process answers there now: ours is gone
             return
         self._send_cancel(rid, w)
 
     def _on_peer_dead(self, peer: Peer) -> None:
         """Liveness: P is gone (or restarted): nothing more lands from it, nothing will answer."""
         for rid, w in list(self.waits.items()):
-            if w.peer is not None and w.peer.agent_name == peer.agent_name and w.state is not WaitState.STAGING:
+            names = {p.agent_name for p in w.peers.values()}
+            if peer.agent_name in names and w.state is not WaitState.STAGING:
                 w.fail_reason = w.fail_reason or "waiting for the prefill instance"
-                self._peer_dead(rid, w)
+                self._peer_dead(rid, w, peer)
 
-    def _peer_dead(self, rid: str, w: _Wait) -> None:
-        assert w.peer is not None
-        self.ctx.peers.forget(w.peer)
-        w.fail_reason = f"{w.fail_reason}; prefill instance {w.peer.engine_id} is gone"
+    def _peer_dead(self, rid: str, w: _Wait, peer: Peer) -> None:
+        self.ctx.peers.forget(peer)
+        w.fail_reason = f"{w.fail_reason}; prefill instance {peer.engine_id} (rank {peer.info.tp_rank}) is gone"
         self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
 
     def _end(self, rid: str, w: _Wait, kind: RecvEnd, reason: str) -> None:

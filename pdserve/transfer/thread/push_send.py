@@ -67,6 +67,7 @@ class _Rendezvous:
     xfer: Xfer | None = None  # the WRITE in flight (None for a zero-token transfer)
     posted_at: float = 0.0
     cancel_asked: bool = False  # D cancelled the attempt being written: ack when the write is over
+    silent: bool = False  # this rank sends D's rank no heads (heads.py): nothing written, no PushDone
     events: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -252,9 +253,15 @@ class SendSide:
             segs = token_segments(
                 self.ctx.layout, send.block_ids, peer.layout, msg.block_ids, msg.start_token, msg.num_tokens
             )
-            local, remote = descriptors(self.ctx.layout, peer.layout, segs)
+            heads = self.ctx.heads_to(peer.info)  # this rank's slice of D's rank's heads (heads.py)
+            if heads is not None:
+                local, remote = descriptors(self.ctx.layout, peer.layout, segs, heads)
         except LayoutError as e:
             self._write_over(r, SendOutcome.FAILED, f"cannot write: {e}")
+            return
+        if heads is None:  # D's rank gets its heads from other ranks of P: this rank's part is over, unannounced
+            r.silent = True
+            self._write_over(r, SendOutcome.OK, None)
             return
         nbytes = int(local[:, 1].sum()) if len(local) else 0
         done = encode(PushDone(r.transfer_id, msg.attempt, self._rank, self.ctx.spec.tp_size, nbytes))
@@ -311,7 +318,7 @@ class SendSide:
         nbytes = r.xfer.num_bytes if r.xfer is not None and ok else 0
         secs = time.monotonic() - r.posted_at if r.xfer is not None and ok else None
         r.write_reg, r.xfer, r.send = None, None, None
-        if ok:
+        if ok and not r.silent:
             self.ctx.sink.event(send.request_id, "transfer_done")
         else:
             log.warning("push %s attempt %d: %s", r.transfer_id, reg.msg.attempt, error)

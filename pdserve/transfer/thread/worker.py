@@ -86,7 +86,7 @@ def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent, ep
         model_name=spec.model_name,
         dtype=spec.dtype,
         num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
+        total_kv_heads=spec.model_kv_heads,
         head_dim=spec.head_dim,
         transfer_mode=cfg.mode,
         wire_version=WIRE_VERSION,
@@ -103,6 +103,8 @@ def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent, ep
         memory=spec.memory,
         tp_rank=spec.tp_rank,
         tp_size=spec.tp_size,
+        num_kv_heads=spec.num_kv_heads,
+        rank_ports=list(spec.rank_ports),
         compat_hash=compat_hash(values),
         epoch=epoch,
         **values,
@@ -190,10 +192,14 @@ class NixlWorker(ConnectorWorker):
             return Pong(ctx.local.engine_id, ctx.local.agent_name, ctx.local.epoch)
         if not isinstance(msg, HandshakeRequest):
             return HandshakeReply(False, None, f"unexpected side-channel message {type(msg).__name__}")
-        err = incompatibility(ctx.local, msg.peer)
+        err = incompatibility(ctx.local, msg.peer, local_is_producer=True)
         if err is not None:
             log.warning("refused a handshake: %s", err)
             return HandshakeReply(False, ctx.local, err)  # our info lets the peer word the error its way
+        if self.cfg.mode == "push" and msg.peer.tp_size > 1:
+            why = (f"push into a decode instance of TP {msg.peer.tp_size} is not built yet (a prefill rank takes one "
+                   "registration per transfer); use pull mode or TP 1 on decode")  # fmt: skip
+            return HandshakeReply(False, ctx.local, why)
         if msg.load_me:
             try:
                 await asyncio.wrap_future(self.thread.call(lambda: ctx.peers.accept(msg.peer)))

@@ -1,0 +1,155 @@
+"""Tensor parallelism across the connector seam: rank 0's StepMeta to the other ranks' workers and their
+TransferResults back (explicit msgpack, never pickle), and RankMerger, which turns every rank's results into
+the one result per request the engine expects (the invariant is in base.py). Pure Python (msgpack only).
+
+Encoding: a msgpack map {"v": RANKS_VERSION, ...}; RecvTask.source goes as its kv_transfer_params object
+(params.encode / params.decode), so one translation exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults, TransferStats
+from pdserve.transfer.params import PullSource, PushSource
+from pdserve.transfer.params import decode as decode_params
+from pdserve.transfer.params import encode as encode_params
+
+RANKS_VERSION = 1  # 1: StepMeta and TransferResults + TransferStats between the ranks of one instance (2026-12-03)
+
+
+class RanksError(ValueError):
+    """A message between ranks that is not of this version."""
+
+
+def encode_meta(meta: StepMeta) -> bytes:
+    recvs = [[r.request_id, list(r.block_ids), r.start_token, r.num_tokens, encode_params(r.source), r.attempt]
+             for r in meta.recvs]  # fmt: skip
+    sends = [[s.request_id, list(s.block_ids), s.num_tokens, s.transfer_id] for s in meta.sends]
+    return msgpack.packb(
+        {"v": RANKS_VERSION, "recvs": recvs, "sends": sends, "cancels": meta.cancels,
+         "expected": [list(e) for e in meta.expected], "abandoned": meta.abandoned, "releases": meta.releases},
+    )  # fmt: skip
+
+
+def decode_meta(data: bytes) -> StepMeta:
+    m = _map(data)
+    recvs = []
+    for rid, blocks, start, num, source, attempt in m["recvs"]:
+        src = decode_params(source)
+        if not isinstance(src, PullSource | PushSource):
+            raise RanksError(f"recv {rid}: its source is not a prefill's coordinates")
+        recvs.append(RecvTask(rid, tuple(blocks), start, num, src, attempt))
+    sends = [SendTask(rid, tuple(blocks), num, tid) for rid, blocks, num, tid in m["sends"]]
+    return StepMeta(recvs, sends, list(m["cancels"]), [(a, b) for a, b in m["expected"]], list(m["abandoned"]),
+                    list(m["releases"]))  # fmt: skip
+
+
+def encode_results(res: TransferResults, stats: TransferStats) -> bytes:
+    return msgpack.packb(
+        {"v": RANKS_VERSION, "finished_recvs": res.finished_recvs, "failed_recvs": res.failed_recvs,
+         "cancelled_recvs": res.cancelled_recvs, "finished_sends": res.finished_sends, "events": res.events,
+         "stats": [stats.sent_bytes, stats.received_bytes, stats.transfers_ok, stats.transfers_failed,
+                   stats.transfers_expired, stats.transfer_seconds, stats.posts]},
+    )  # fmt: skip
+
+
+def decode_results(data: bytes) -> tuple[TransferResults, TransferStats]:
+    m = _map(data)
+    res = TransferResults(list(m["finished_recvs"]), [(a, b) for a, b in m["failed_recvs"]],
+                          list(m["cancelled_recvs"]), list(m["finished_sends"]),
+                          [(a, b, c) for a, b, c in m["events"]])  # fmt: skip
+    s = m["stats"]
+    stats = TransferStats(s[0], s[1], s[2], s[3], s[4], list(s[5]), [(a, b) for a, b in s[6]])
+    return res, stats
+
+
+def _map(data: bytes) -> dict[str, Any]:
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise RanksError(f"not msgpack: {e}") from None
+    if not isinstance(m, dict) or m.get("v") != RANKS_VERSION:
+        raise RanksError(f"not a rank message of version {RANKS_VERSION}")
+    return m
+
+
+@dataclass
+class _Recv:
+    """One request's recv across the ranks."""
+
+    ends: dict[int, str] = field(default_factory=dict)  # rank -> "finished" | "failed" | "cancelled"
+    reason: str = ""  # the first failure's
+    engine_cancelled: bool = False  # the engine aborted it (reported as cancelled)
+    cancels_sent: bool = False  # the other ranks were asked to cancel after a failure
+
+
+class RankMerger:
+    """Rank 0's view of every rank's results (engine thread only). Fed the StepMeta each rank gets (see()) and
+    each rank's results (add()); take() returns the merged results and the StepMeta the ranks must get next
+    (cancels of the parts of a recv another rank failed)."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self._recvs: dict[str, _Recv] = {}
+        self._sends: dict[str, set[int]] = {}  # request id -> ranks whose part of the send is over
+        self._out = TransferResults()
+        self._followup = StepMeta()
+
+    def see(self, meta: StepMeta) -> None:
+        for r in meta.recvs:
+            self._recvs[r.request_id] = _Recv()
+        for rid in meta.cancels:
+            if (rv := self._recvs.get(rid)) is not None:
+                rv.engine_cancelled = True
+
+    def add(self, rank: int, res: TransferResults) -> None:
+        self._out.events.extend(res.events)
+        for rid in res.finished_recvs:
+            self._recv_end(rank, rid, "finished", "")
+        for rid, reason in res.failed_recvs:
+            self._recv_end(rank, rid, "failed", reason)
+        for rid in res.cancelled_recvs:
+            self._recv_end(rank, rid, "cancelled", "")
+        for rid in res.finished_sends:
+            ranks = self._sends.setdefault(rid, set())
+            ranks.add(rank)
+            if len(ranks) == self.num_ranks:
+                del self._sends[rid]
+                self._out.finished_sends.append(rid)
+
+    def _recv_end(self, rank: int, rid: str, end: str, reason: str) -> None:
+        rv = self._recvs.get(rid)
+        if rv is None:
+            return  # not a recv this instance started (never: every rank gets the same StepMeta)
+        rv.ends[rank] = end
+        if end == "failed" and not rv.reason:
+            rv.reason = reason if self.num_ranks == 1 else f"tensor-parallel rank {rank}: {reason}"
+        if end == "failed" and not rv.cancels_sent and len(rv.ends) < self.num_ranks:
+            rv.cancels_sent = True  # the other ranks' parts end early (nothing more lands, then they report)
+            self._followup.cancels.append(rid)
+        if len(rv.ends) < self.num_ranks:
+            return
+        del self._recvs[rid]
+        if rv.engine_cancelled:
+            self._out.cancelled_recvs.append(rid)
+        elif all(e == "finished" for e in rv.ends.values()):
+            self._out.finished_recvs.append(rid)
+        else:
+            self._out.failed_recvs.append((rid, rv.reason or "a tensor-parallel rank cancelled its part"))
+
+    def take(self) -> tuple[TransferResults, StepMeta]:
+        out, self._out = self._out, TransferResults()
+        followup, self._followup = self._followup, StepMeta()
+        return out, followup
+
+
+def add_stats(a: TransferStats, b: TransferStats) -> TransferStats:
+    return TransferStats(
+        a.sent_bytes + b.sent_bytes, a.received_bytes + b.received_bytes, a.transfers_ok + b.transfers_ok,
+        a.transfers_failed + b.transfers_failed, a.transfers_expired + b.transfers_expired,
+        a.transfer_seconds + b.transfer_seconds, a.posts + b.posts,
+    )  # fmt: skip
