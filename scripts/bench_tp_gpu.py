@@ -29,8 +29,8 @@ def timed(llm: LLM, prompts: list[list[int]], n: int) -> float:
     return time.perf_counter() - started
 
 
-def measure(model: str, tp: int, prompts: list[list[int]]) -> dict:
-    llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda", tensor_parallel_size=tp,
+def measure(model: str, tp: int, prompts: list[list[int]], dtype: str) -> dict:
+    llm = LLM(model, load_format="dummy", dtype=dtype, device="cuda", tensor_parallel_size=tp,
               kv_cache_memory_gib=8, max_num_batched_tokens=8192, enable_prefix_caching=False)  # fmt: skip
     try:
         tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(32, ignore_eos=True))]
@@ -55,16 +55,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", help="float32 makes TP 2 == TP 1 a strict check")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     prompts = [[(p * 131 + i * 17) % 30000 + 100 for i in range(64 + 32 * p)] for p in range(4)]
-    rows = [measure(a.model, 1, prompts), measure(a.model, a.tp, prompts)]
+    rows = [measure(a.model, 1, prompts, a.dtype), measure(a.model, a.tp, prompts, a.dtype)]
     same = [x == y for x, y in zip(rows[0]["tokens"], rows[1]["tokens"], strict=True)]
     first_diff = [
         next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), None)
         for x, y in zip(rows[0]["tokens"], rows[1]["tokens"], strict=True)
     ]
-    print(f"\n{a.model}, bf16, dummy weights; greedy 32 tokens x 4 prompts, TP {a.tp} == TP 1: {same}"
+    print(f"\n{a.model}, {a.dtype}, dummy weights; greedy 32 tokens x 4 prompts, TP {a.tp} == TP 1: {same}"
           f" (first differing token: {first_diff})")  # fmt: skip
     print(f"{'tp':>3} {'decode b=1':>11} {'decode b=8':>11} {'prefill 8k':>11}")
     for r in rows:
