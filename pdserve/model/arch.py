@@ -102,6 +102,10 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # transformers >= 5 saves rope settings under "rope_parameters" (theta included); 4.x under rope_*
         rope = cfg.get("rope_parameters") or {}
+        local_rope: dict[str, Any] = {}
+        if isinstance(rope.get("full_attention"), dict):  # transformers >= 5, per layer type (Gemma 3)
+            local_rope = rope.get("sliding_attention") or {}
+            rope = rope["full_attention"]
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             kind = scaling.get("rope_type") or scaling.get("type")
@@ -138,7 +142,9 @@ class ModelArch:
             sandwich_norms=is_gemma,
             embed_scale=float(cfg["hidden_size"]) ** 0.5 if is_gemma else None,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if is_gemma else None,
-            local_rope_theta=cfg.get("rope_local_base_freq", 10000.0) if is_gemma else None,
+            local_rope_theta=cfg.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0))
+            if is_gemma
+            else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 

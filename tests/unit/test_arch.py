@@ -39,3 +39,31 @@ def test_family_flags():
     assert ModelArch.from_hf_config({**BASE, "architectures": ["Qwen2ForCausalLM"]}).qkv_bias
     q3 = ModelArch.from_hf_config({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
     assert q3.qk_norm and q3.head_dim == 32
+
+
+def test_gemma3_rope_parameters_per_layer_type_as_transformers_5_writes_them() -> None:
+    """transformers >= 5 writes Gemma 3's rotary settings per layer type under rope_parameters."""
+    from pdserve.model.arch import ModelArch
+
+    base = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 320, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "sliding_window": 6, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24,
+    }  # fmt: skip
+    v4 = ModelArch.from_hf_config(
+        {
+            **base,
+            "rope_theta": 10000.0,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        }
+    )
+    v5 = ModelArch.from_hf_config(
+        {**base, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        }}
+    )  # fmt: skip
+    assert v5.local_rope_theta == v4.local_rope_theta == 100.0
+    assert v5.rope_theta == v4.rope_theta == 10000.0
+    assert dict(v5.rope_scaling or ())["factor"] == dict(v4.rope_scaling or ())["factor"] == 2.0
