@@ -51,10 +51,13 @@ def test_prefill_down_is_502_naming_prefill(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_decode_down_is_502_naming_decode(launcher: Launcher, backend: Proc, dead_url: str, stream: bool) -> None:
+def test_decode_down_is_503_naming_decode_before_prefill(
+    launcher: Launcher, backend: Proc, dead_url: str, stream: bool
+) -> None:
+    """The pull router checks D's health before the prefill leg: no prefill is spent on a request D cannot take."""
     router = _router(launcher, "pull", backend.url, dead_url)
     resp = post(router.url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": stream})
-    assert resp.status_code == 502
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
     message = resp.json()["error"]["message"]
     assert "decode" in message and dead_url in message, message
 

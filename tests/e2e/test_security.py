@@ -180,8 +180,10 @@ def test_third_party_on_the_side_channel_learns_nothing(pairs: Pairs) -> None:
     for proc in (pairs.p_pull, pairs.p_push, pairs.d_push):
         info = post_get(proc.url + "/kv_transfer/info")
         fake = wire.PeerInfo(
-            "intruder", "intruder-agent", b"\x00" * 64, "tiny", "float32", 2, 2, 16, info["transfer_mode"],
-            wire.WIRE_VERSION, 0, 1, 16, 256, 0, "DRAM", 0, 1, "0", 1,
+            engine_id="intruder", agent_name="intruder-agent", agent_metadata=b"\x00" * 64, model_name="tiny",
+            dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, transfer_mode=info["transfer_mode"],
+            wire_version=wire.WIRE_VERSION, base_addr=0, num_blocks=1, block_size=16, token_bytes=256, device_id=0,
+            memory="DRAM", tp_rank=0, tp_size=1, total_kv_heads=2, rank_ports=[], compat_hash="0", epoch=1,
         )  # fmt: skip
         forged_seal = wire.Sealed("00" * 16, int(time.time() * 1000), "0" * 64, wire.encode(wire.Ping()))
         for msg in (wire.HandshakeRequest(fake, True), wire.Ping(), forged_seal):
