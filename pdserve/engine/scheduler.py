@@ -154,6 +154,9 @@ class Scheduler:
         if recompute:
             req.needs_remote_kv = False
             req.num_cached_tokens = req.num_computed_tokens  # only D's own prefix-cache hits are valid
+            if self.kv_groups.is_windowed:  # its windowed tables are STALE where the prompt is recomputed
+                self._free_blocks(req)  # start over (prefix hits are taken again when it is scheduled)
+                req.num_computed_tokens = req.num_cached_tokens = req.num_hashed_blocks = 0
             self.waiting.appendleft(req)
             return None
         self.waiting.appendleft(req)  # finish() removes it from waiting
