@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from harness import Instance, close_all, expected_kv, push_params, start_all
 
+from pdserve.transfer.faults import Faults
+
 WINDOWS = (None, None, 8, 8)  # per model layer: group 0 = layers 0-1 (full), group 1 = layers 2-3 (window 8)
 BS = 4
 STALE = -1
@@ -16,6 +18,7 @@ STALE = -1
 N_PROMPT, N_MOVED, W_FIRST = 22, 21, 12
 P_TABLES = [[5, 6, 9, 2, 0, 1], [STALE, STALE, STALE, 3, 4, 7]]
 D_TABLES = [[3, 4, 11, 12, 13, 14], [STALE, STALE, STALE, 8, 10, 15]]
+STAGED = Faults(force_staging=True)
 TOKEN_ROW_BYTES = 2 * 2 * 2 * 4 * 4  # 2 layers x K/V x 2 heads x 4 dims x float32, per token
 
 
@@ -28,6 +31,11 @@ def cl():
         d_push=Instance("decode", "push", block_size=BS, windows=WINDOWS),
         d_full=Instance("decode", "pull", block_size=BS, windows=(None, None)),  # one full group, 2 layers a block
         d_bs8=Instance("decode", "pull", block_size=8, windows=WINDOWS),
+        # staged through host mirrors (kv_buffer_device cpu): the copies go per group too
+        p_pull_staged=Instance("prefill", "pull", block_size=BS, windows=WINDOWS, faults=STAGED),
+        d_pull_staged=Instance("decode", "pull", block_size=BS, windows=WINDOWS, faults=STAGED),
+        p_push_staged=Instance("prefill", "push", block_size=BS, windows=WINDOWS, faults=STAGED),
+        d_push_staged=Instance("decode", "push", block_size=BS, windows=WINDOWS, faults=STAGED),
     )
     yield insts
     close_all(insts)
@@ -44,8 +52,9 @@ def test_info_carries_the_groups(cl):
     assert cl["d_full"].info["kv_groups"] == [{"window": None, "layers": [0, 1]}]
 
 
-def test_pull_moves_only_the_window(cl):
-    p, d = cl["p_pull"], cl["d_pull"]
+@pytest.mark.parametrize("staged", ["", "_staged"])
+def test_pull_moves_only_the_window(cl, staged):
+    p, d = cl[f"p_pull{staged}"], cl[f"d_pull{staged}"]
     p_kv, received = p.kv(), d.call("stats")["received_bytes"]
     keep, params = p.call("finish", "p-w1", P_TABLES[0], N_PROMPT, {"do_remote_decode": True}, P_TABLES)
     assert keep and params["remote_block_tables"] == P_TABLES
@@ -63,8 +72,9 @@ def test_pull_moves_only_the_window(cl):
     assert d.call("stats")["received_bytes"] - received == (N_MOVED + N_MOVED - W_FIRST) * TOKEN_ROW_BYTES
 
 
-def test_push_moves_only_the_window(cl):
-    p, d = cl["p_push"], cl["d_push"]
+@pytest.mark.parametrize("staged", ["", "_staged"])
+def test_push_moves_only_the_window(cl, staged):
+    p, d = cl[f"p_push{staged}"], cl[f"d_push{staged}"]
     p_params, d_params = push_params(p, "tw1")
     p_kv, before, sent = p.kv(), d.kv(), p.call("stats")["sent_bytes"]
     assert d.call("needs", "d-tw1", d_params)
