@@ -18,7 +18,10 @@ BS = 4
 # per family: (window per windowed group, bytes of one token's K and V in one group: 2 layers x 2 x heads x dim x 4)
 SHAPES = {"gemma3": (6, 2 * 2 * 2 * 16 * 4), "mistral_swa": (10, 2 * 2 * 1 * 16 * 4)}
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 12}
-PROMPTS = ["The quick brown fox jumps over the lazy dog, twice.", "sliding windows: " + "abcdefgh" * 5]
+# byte tokens + BOS; the second is 56 tokens, so D's cached blocks (the window before token 55 and every full
+# group's) make a prefix hit of 14 blocks for EXTENDED, which moves only the rest
+PROMPTS = ["The quick brown fox jumps over the lazy dog, twice.", "sliding windows: " + "abcdefgh" * 4 + "abcdef"]
+EXTENDED = PROMPTS[1] + " and then some more"
 
 
 @dataclass
@@ -54,15 +57,15 @@ def completion(url: str, prompt: str) -> tuple[list[int], list[int]]:
     return choice["prompt_token_ids"], choice["token_ids"]
 
 
-def expected_bytes(fam: str, num_prompt: int) -> int:
-    """D computes the last prompt token itself: tokens [0, end) move for a full group, and for a windowed group
-    only the blocks holding what the query at `end` reads, keys (end - window, end]."""
+def expected_bytes(fam: str, num_prompt: int, start: int = 0) -> int:
+    """D computes the last prompt token itself: tokens [start, end) move for a full group (D has [0, start)), and
+    for a windowed group only those of the blocks holding what the query at `end` reads, keys (end - window, end]."""
     window, token_bytes = SHAPES[fam]
     end = num_prompt - 1
-    first = max(0, end - window + 1) // BS * BS
+    first = max(start, max(0, end - window + 1) // BS * BS)
     moved_windowed = end - first
     if fam == "gemma3":  # one full group + one windowed group
-        return (end + moved_windowed) * token_bytes
+        return (end - start + moved_windowed) * token_bytes
     return moved_windowed * token_bytes  # mistral: one windowed group
 
 
@@ -70,7 +73,7 @@ def expected_bytes(fam: str, num_prompt: int) -> int:
 def test_disaggregated_equals_colocated_moving_only_the_window(families: dict[str, Family], fam: str, mode: str):
     f = families[fam]
     p, d = f.p[mode], f.d[mode]
-    for prompt in PROMPTS:
+    for prompt in [*PROMPTS, EXTENDED]:
         received = scrape_metrics(d.url)["pdserve_kv_received_bytes_total"]
         sent = scrape_metrics(p.url)["pdserve_kv_sent_bytes_total"]
         prompt_ids, tokens = completion(f.routers[mode].url, prompt)
@@ -80,7 +83,10 @@ def test_disaggregated_equals_colocated_moving_only_the_window(families: dict[st
             m = wait_idle(proc.url)  # P counts its bytes when the transfer is over (pull: at D's release)
             assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, (proc.name, m)
         got = scrape_metrics(d.url)["pdserve_kv_received_bytes_total"] - received
-        assert got == expected_bytes(fam, len(prompt_ids)), (prompt, len(prompt_ids))
+        if prompt == EXTENDED:  # D's prefix hit: tokens [0, 56) are not moved
+            assert got == expected_bytes(fam, len(prompt_ids), start=56), (prompt, len(prompt_ids))
+        else:
+            assert got == expected_bytes(fam, len(prompt_ids)), (prompt, len(prompt_ids))
         assert scrape_metrics(p.url)["pdserve_kv_sent_bytes_total"] - sent == got
 
 
