@@ -95,3 +95,20 @@ def test_info_carries_the_groups(families: dict[str, Family]) -> None:
 
     info = httpx.get(families["gemma3"].p["pull"].url + "/kv_transfer/info", timeout=10, trust_env=False).json()
     assert info["kv_groups"] == [{"window": None, "layers": [1, 3]}, {"window": 6, "layers": [0, 2]}]
+
+
+def test_one_windowed_group_under_tensor_parallelism(fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path]):
+    """Mistral-SWA (one windowed group) from P TP 2 (KV head replicated) to D TP 1, pull: each P rank's pin is
+    named by the same live blocks (transfer/ranks.py carries the tables), == colocated, every block free."""
+    model = tiny_model_dirs["mistral_swa"]
+    common = ("--num-gpu-blocks", "64", "--block-size", str(BS), "--kv-transfer", "pull")
+    ref = fresh_launcher.serve(model, *common[:4], name="ref")
+    p = fresh_launcher.serve(model, *common, "--kv-role", "prefill", "--tensor-parallel-size", "2", name="p")
+    d = fresh_launcher.serve(model, *common, "--kv-role", "decode", name="d")
+    fresh_launcher.wait_ready()
+    router = fresh_launcher.proxy("pull", [p], [d])
+    fresh_launcher.wait_ready()
+    assert completion(router.url, PROMPTS[1]) == completion(ref.url, PROMPTS[1])
+    for proc in (p, d):
+        m = wait_idle(proc.url)
+        assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, (proc.name, m)
