@@ -25,13 +25,13 @@ def make_connectors(
         from pdserve.transfer.scheduler.pull import PullScheduler
         from pdserve.transfer.thread.pull import PullWorker
 
-        return PullScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports, kv_groups), PullWorker(
-            cfg, side
-        )
+        pull = PullScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports, kv_groups)
+        return pull, PullWorker(cfg, side)
     from pdserve.transfer.scheduler.push import PushScheduler
     from pdserve.transfer.thread.push import PushWorker
 
-    return PushScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports, kv_groups), PushWorker(cfg, side)
+    push = PushScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports, kv_groups)
+    return push, PushWorker(cfg, side)
 
 
 def make_rank_worker(cfg: TransferConfig) -> tuple[ConnectorWorker, int]:

@@ -342,14 +342,11 @@ def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = F
 
 def _groups(info: PeerInfo) -> str:
     """The KV group structure in words: window (or full) and layers per group."""
-    return (
-        "["
-        + ", ".join(
-            f"{'window ' + str(w) if w else 'full'} layers {layers}"
-            for w, layers in zip(info.group_windows, info.group_layers, strict=False)
-        )
-        + "]"
-    )
+    parts = [
+        f"{f'window {w}' if w else 'full'} layers {layers}"
+        for w, layers in zip(info.group_windows, info.group_layers, strict=False)
+    ]
+    return "[" + ", ".join(parts) + "]"
 
 
 def _mapping(local: PeerInfo, peer: PeerInfo, local_is_producer: bool) -> str | None:
