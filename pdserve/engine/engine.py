@@ -37,19 +37,12 @@ MAX_RELEASED_IDS = 4096  # P: request ids whose pins were released, so a repeate
 
 
 def check_windowed_supported(arch: ModelArch, config: EngineConfig) -> None:
-    """Refuse what sliding-window models do not support yet, naming it (ConfigError): P/D disaggregation (the
-    transfer moves group 0's blocks only, and a windowed group's early blocks are freed while a request runs)
-    and tensor parallelism of a model with several KV groups (the step plan carries one block table)."""
+    """Refuse what sliding-window models do not support yet, naming it (ConfigError): tensor parallelism of a
+    model with several KV groups (the step plan carries one block table). P/D transfers every group (a windowed
+    group only its window's blocks; transfer/layout.py, group_segments)."""
     if not arch.is_windowed:
         return
     groups = KVGroups.of(arch.layer_windows, arch.num_layers)
-    windows = sorted({w for w in arch.layer_windows if w is not None})
-    if config.transfer.is_disaggregated:
-        raise ConfigError(
-            f"kv role {config.transfer.role!r}: {config.model.model} has sliding-window layers (windows {windows}, "
-            f"{groups.num_groups} KV groups); P/D transfer of windowed KV groups is not implemented, serve it "
-            "with --kv-role both"
-        )
     if config.parallel.tensor_parallel_size > 1 and groups.num_groups > 1:
         raise ConfigError(
             f"tensor_parallel_size {config.parallel.tensor_parallel_size}: {config.model.model} mixes "
@@ -91,7 +84,9 @@ class LLMEngine:
                 self.ranks.shutdown()
             raise
         side_ports = self.ranks.side_ports if self.ranks is not None else ()
-        self.kv_scheduler, self.kv_worker = make_connectors(config.transfer, block_size, tp, side_ports)
+        self.kv_scheduler, self.kv_worker = make_connectors(
+            config.transfer, block_size, tp, side_ports, loaded.decoder.kv_groups
+        )
         if self.ranks is not None and config.transfer.is_disaggregated:
             self.kv_worker = TPWorker(self.kv_worker, self.ranks)  # every rank moves its own KV slice
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
@@ -100,7 +95,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(loaded.decoder, kv_cache, device, ranks=self.ranks)
         ports = tuple(self.kv_scheduler.info().get("side_channel_ports", ())) if tp > 1 else ()
-        spec = kv_cache_spec(kv_cache, loaded.name, config.model.dtype, 0, tp, loaded.arch.num_kv_heads, ports)
+        spec = kv_cache_spec(
+            kv_cache, loaded.name, config.model.dtype, 0, tp, loaded.arch.num_kv_heads, ports, loaded.decoder.kv_groups
+        )
         self.kv_worker.register_kv_cache(kv_cache, spec)
         self.kv_worker.start(wakeup)  # joined in shutdown()
         self._text: dict[str, TextTracker] = {}

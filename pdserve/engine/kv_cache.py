@@ -75,6 +75,7 @@ def kv_cache_spec(
     tp_size: int = 1,
     total_kv_heads: int = 0,  # the model's (0: this cache holds them all)
     rank_ports: tuple[int, ...] = (),  # rank 0: every rank's side-channel port
+    kv_groups: KVGroups | None = None,  # the model's KV layer groups (None: one full-attention group)
 ) -> KVCacheSpec:
     num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     is_cuda = kv_cache.device.type == "cuda"
@@ -94,4 +95,5 @@ def kv_cache_spec(
         tp_size=tp_size,
         total_kv_heads=total_kv_heads,
         rank_ports=rank_ports,
+        kv_groups=kv_groups,
     )

@@ -17,7 +17,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.model.kv_groups import STALE, KVGroups
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import ConnectorScheduler
-from pdserve.transfer.params import PullSource, PushSource
+from pdserve.transfer.params import PullSource, PushSource, RemoteDecode
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Scheduler:
         if reason in ("stop", "length"):
             keep = self.connector.on_request_finished(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, req.kv_transfer_params,
-                token_ids=req.token_slice(0, req.num_computed_tokens),
+                token_ids=req.token_slice(0, req.num_computed_tokens), block_tables=self._transfer_tables(req),
             )  # fmt: skip
         else:  # abort or error: nothing to hand over (push: P refuses D's registration at once)
             self.connector.on_request_aborted(req.request_id)
@@ -154,6 +154,9 @@ class Scheduler:
         if recompute:
             req.needs_remote_kv = False
             req.num_cached_tokens = req.num_computed_tokens  # only D's own prefix-cache hits are valid
+            if self.kv_groups.is_windowed:  # its windowed tables are STALE where the prompt is recomputed
+                self._free_blocks(req)  # start over (prefix hits are taken again when it is scheduled)
+                req.num_computed_tokens = req.num_cached_tokens = req.num_hashed_blocks = 0
             self.waiting.appendleft(req)
             return None
         self.waiting.appendleft(req)  # finish() removes it from waiting
@@ -290,10 +293,17 @@ class Scheduler:
             self.pool.free(b for b in reversed(table) if b != STALE)
         req.block_tables = [[] for _ in self.kv_groups.groups]
 
+    def _transfer_tables(self, req: Request) -> list[list[int]]:
+        """What the connector hooks get as block_tables: every group's table for a windowed model, else []."""
+        return [list(t) for t in req.block_tables] if self.kv_groups.is_windowed else []
+
     def _free_out_of_window(self, req: Request) -> None:
-        """Give back every windowed group's blocks that no later query of the request can read."""
+        """Give back every windowed group's blocks that no later query of the request can read. P keeps one
+        token more for a request it hands to a remote decode: D computes the last prompt token itself, so it
+        needs the window before that token (position num_computed - 1)."""
+        keep_from = req.num_computed_tokens - (1 if isinstance(req.kv_transfer_params, RemoteDecode) else 0)
         for g, table in enumerate(req.block_tables):
-            first = min(self.kv_groups.first_live_block(g, req.num_computed_tokens, self.block_size), len(table))
+            first = min(self.kv_groups.first_live_block(g, keep_from, self.block_size), len(table))
             dead = [b for b in table[:first] if b != STALE]
             if dead:
                 self.pool.free(reversed(dead))  # registered ones stay evictable prefix-cache entries
@@ -351,6 +361,10 @@ class Scheduler:
     def _park_for_remote_kv(self, req: Request) -> bool:
         """D: allocate blocks for the whole prompt (prefix hits first) and wait for the rest to be written."""
         self._take_prefix_hits(req)
+        # a windowed group needs only the window before the last prompt token (D computes that token itself)
+        for g, table in enumerate(req.block_tables):
+            first = self.kv_groups.first_live_block(g, req.num_prompt_tokens - 1, self.block_size)
+            table.extend([STALE] * (first - len(table)))
         if not self._allocate_to(req, req.num_prompt_tokens):
             self._free_blocks(req)
             return False
@@ -361,8 +375,9 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_kv[req.request_id] = req
         self.connector.on_blocks_allocated(
-            req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens, source
-        )
+            req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens, source,
+            block_tables=self._transfer_tables(req),
+        )  # fmt: skip
         return True
 
     def _cache_full_blocks(self, req: Request) -> None:

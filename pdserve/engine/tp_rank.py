@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 
 from pdserve.config import EngineConfig
+from pdserve.model.kv_groups import KVGroups
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,8 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
         loaded.arch, num_blocks, cfg.cache.block_size, dtype, torch.device(device), num_kv_heads
     )
     runner = ModelRunner(loaded.decoder, kv_cache, torch.device(device))
-    worker, side_port = _start_worker(spec, conn, kv_cache, loaded.name, loaded.arch.num_kv_heads)
+    worker, side_port = _start_worker(spec, conn, kv_cache, loaded.name, loaded.arch.num_kv_heads,
+                                      loaded.decoder.kv_groups)  # fmt: skip
     conn.send_bytes(encode_status("ready", num_blocks=num_blocks, side_port=side_port))
     try:
         while True:
@@ -154,7 +156,12 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
 
 
 def _start_worker(
-    spec: RankSpec, conn: Connection, kv_cache: Any, model_name: str, total_kv_heads: int
+    spec: RankSpec,
+    conn: Connection,
+    kv_cache: Any,
+    model_name: str,
+    total_kv_heads: int,
+    kv_groups: KVGroups | None = None,
 ) -> tuple[Any, int]:
     """P/D: this rank's ConnectorWorker over its KV slice (own NIXL agent, transfer thread, side channel),
     started, its results sent to rank 0 over the pipe whenever it has some; (None, 0) for kv role both."""
@@ -166,7 +173,8 @@ def _start_worker(
     from pdserve.transfer.ranks import encode_results
 
     worker, side_port = make_rank_worker(cfg.transfer)
-    kv_spec = kv_cache_spec(kv_cache, model_name, cfg.model.dtype, spec.rank, spec.size, total_kv_heads)
+    kv_spec = kv_cache_spec(kv_cache, model_name, cfg.model.dtype, spec.rank, spec.size, total_kv_heads,
+                            kv_groups=kv_groups)  # fmt: skip
     worker.register_kv_cache(kv_cache, kv_spec)
     lock = threading.Lock()
 

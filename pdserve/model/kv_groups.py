@@ -20,6 +20,13 @@ from math import gcd
 STALE = -1  # table entry of a windowed group's block that left every query's window (freed)
 
 
+def first_live_block(window: int | None, num_computed: int, block_size: int) -> int:
+    """First block a query at a position >= num_computed reads, for a layer of this window (0: whole context)."""
+    if window is None:
+        return 0
+    return max(0, num_computed - window + 1) // block_size
+
+
 @dataclass(frozen=True)
 class KVGroup:
     window: int | None  # keys a query sees, itself included; None = the whole context
@@ -66,10 +73,12 @@ class KVGroups:
 
     def first_live_block(self, group: int, num_computed: int, block_size: int) -> int:
         """First block of `group` a query at a position >= num_computed can read (0 for full attention)."""
-        window = self.groups[group].window
-        if window is None:
-            return 0
-        return max(0, num_computed - window + 1) // block_size
+        return first_live_block(self.groups[group].window, num_computed, block_size)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each group's window (None: the whole context), in group order."""
+        return tuple(g.window for g in self.groups)
 
     def describe(self) -> list[dict[str, object]]:
         """The structure as plain data (for /kv_transfer/info, logs and refusals)."""

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.model.kv_groups import STALE, KVGroups
 from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
 
@@ -51,6 +52,13 @@ class KVCacheSpec:
     tp_size: int = 1  # ranks of the instance
     total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, one rank holds them all)
     rank_ports: tuple[int, ...] = ()  # rank 0: every rank's side-channel port (announced in its handshake)
+    # the model's KV layer groups (model/kv_groups.py; num_layers = layers per block); None: one full group
+    kv_groups: KVGroups | None = None
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each KV group's window (None: whole context); one full-attention group when kv_groups is None."""
+        return self.kv_groups.windows if self.kv_groups is not None else (None,)
 
     @property
     def model_kv_heads(self) -> int:
@@ -86,6 +94,13 @@ class RecvTask:
     num_tokens: int  # tokens to receive; may be 0 (then only the producer is told to release)
     source: PullSource | PushSource  # where the KV comes from (the request's parsed kv_transfer_params)
     attempt: int = 0  # push: registration attempt; a new attempt never receives an older attempt's data
+    # windowed models: every KV group's local table (STALE entries before a windowed group's window);
+    # block_ids is then group 0's. (): one group, block_ids
+    block_tables: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        return self.block_tables or (self.block_ids,)
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,24 @@ class SendTask:
     block_ids: tuple[int, ...]  # blocks covering tokens [0, num_tokens), in order
     num_tokens: int
     transfer_id: str | None = None  # push: pairs this prefill with D's registration
+    # windowed models: every KV group's table (STALE entries before a windowed group's window); block_ids is
+    # then group 0's. (): one group, block_ids
+    block_tables: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        return self.block_tables or (self.block_ids,)
+
+    @property
+    def pin_ids(self) -> tuple[int, ...]:
+        """The blocks this send pins (what a pull answer and PullRelease name): block_ids, or for a windowed
+        model every group's live blocks in group order."""
+        return live_blocks(self.block_tables) if self.block_tables else self.block_ids
+
+
+def live_blocks(tables: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Every non-STALE block id of the tables, in group order."""
+    return tuple(b for t in tables for b in t if b != STALE)
 
 
 @dataclass
@@ -167,9 +200,12 @@ class ConnectorScheduler(ABC):
         num_local_tokens: int,
         num_prompt_tokens: int,
         source: PullSource | PushSource,
+        block_tables: Sequence[Sequence[int]] = (),
     ) -> None:
         """D: blocks for the whole prompt are allocated; tokens [0, num_local_tokens) hit D's prefix cache;
-        source is the request's params for which needs_remote_kv() returned True."""
+        source is the request's params for which needs_remote_kv() returned True. block_tables: for a windowed
+        model, every KV group's table (block_ids is group 0's; a windowed group holds only the blocks of the
+        window before the last prompt token, STALE before them); () otherwise."""
 
     @abstractmethod
     def on_request_finished(
@@ -179,9 +215,11 @@ class ConnectorScheduler(ABC):
         num_tokens: int,
         params: KVTransferParams | None,
         token_ids: Sequence[int] = (),
+        block_tables: Sequence[Sequence[int]] = (),
     ) -> bool:
         """A request finished. Returns True to keep its blocks pinned until a finished send. token_ids: the
-        request's tokens (prompt, then output); the first num_tokens are the ones whose KV the blocks hold."""
+        request's tokens (prompt, then output); the first num_tokens are the ones whose KV the blocks hold.
+        block_tables: as in on_blocks_allocated (a windowed group keeps the window before token num_tokens - 1)."""
 
     @abstractmethod
     def take_answer(self, request_id: str) -> KVAnswer | None:

@@ -35,7 +35,7 @@ def pull_fields(src: PullSource, expires_at: float, digest: str | None) -> list[
     """What a pull capability's MAC covers (the order is the format: change it and bump nothing else)."""
     return [
         src.engine_id, src.host, src.port, src.request_id, list(src.block_ids), src.num_tokens, src.block_size,
-        src.tp_size, expires_at, digest,
+        src.tp_size, expires_at, digest, [list(t) for t in src.block_tables],
     ]  # fmt: skip
 
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pdserve.config import TransferConfig
+from pdserve.model.kv_groups import KVGroups
 from pdserve.transfer.base import ConnectorScheduler, ConnectorWorker
 from pdserve.transfer.nop import NopScheduler, NopWorker
 
 
 def make_connectors(
-    cfg: TransferConfig, block_size: int, tp_size: int = 1, rank_ports: tuple[int, ...] = ()
-) -> tuple[ConnectorScheduler, ConnectorWorker]:
+    cfg: TransferConfig, block_size: int, tp_size: int = 1, rank_ports: tuple[int, ...] = (),
+    kv_groups: KVGroups | None = None,
+) -> tuple[ConnectorScheduler, ConnectorWorker]:  # fmt: skip
     """The connector pair for cfg. For kv role prefill/decode this binds the side-channel socket now
-    (cfg.side_channel_port; 0 picks a free port, reported by scheduler.info()) and raises OSError if it
-    cannot; rank_ports: the side-channel ports of tensor-parallel ranks 1.. (scheduler.info() lists them all);
-    the worker serves it from start() and closes it in shutdown()."""
+    (cfg.side_channel_port; 0 picks a free port, reported by scheduler.info() with kv_groups' structure) and
+    raises OSError if it cannot; rank_ports: the side-channel ports of tensor-parallel ranks 1..
+    (scheduler.info() lists them all); the worker serves it from start() and closes it in shutdown()."""
     if cfg.role == "both":
         return NopScheduler(block_size), NopWorker()
     from pdserve.transfer.thread.handshake import SideChannel
@@ -23,11 +25,13 @@ def make_connectors(
         from pdserve.transfer.scheduler.pull import PullScheduler
         from pdserve.transfer.thread.pull import PullWorker
 
-        return PullScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports), PullWorker(cfg, side)
+        pull = PullScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports, kv_groups)
+        return pull, PullWorker(cfg, side)
     from pdserve.transfer.scheduler.push import PushScheduler
     from pdserve.transfer.thread.push import PushWorker
 
-    return PushScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports), PushWorker(cfg, side)
+    push = PushScheduler(cfg, block_size, side.host, side.port, tp_size, rank_ports, kv_groups)
+    return push, PushWorker(cfg, side)
 
 
 def make_rank_worker(cfg: TransferConfig) -> tuple[ConnectorWorker, int]:

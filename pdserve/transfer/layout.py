@@ -19,6 +19,11 @@ TP sizes moves a head slice: heads [local_head, local_head + num_heads) of the l
 head of both ranks is strided: one descriptor per token row per region, num_heads * head_bytes each
 (2 * num_layers * tokens descriptors per producer rank; e.g. 64 layers x 2048 tokens = 262144 rows of 512 B for
 one of 8 bf16 heads of 128 dims). Equal head sets (equal TP sizes) keep the whole-block merging above.
+
+Sliding-window and hybrid models (model/kv_groups.py): a block holds num_layers = layers_per_block layers of one
+KV group, and each group has its own block table on each side. group_segments() cuts every group's range
+(group_ranges: a windowed group moves only the blocks of the window its next query reads) with its own tables;
+STALE (-1) entries lie before that range and are never addressed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.model.kv_groups import STALE, first_live_block
 from pdserve.transfer.base import KVCacheSpec
 
 
@@ -83,14 +89,17 @@ class Segment:
     num_tokens: int
 
 
-def check_blocks(layout: BlockLayout, block_ids: Sequence[int], end_token: int, side: str) -> None:
-    """Raise LayoutError unless block_ids are valid and cover tokens [0, end_token)."""
+def check_blocks(
+    layout: BlockLayout, block_ids: Sequence[int], end_token: int, side: str, start_token: int = 0
+) -> None:
+    """Raise LayoutError unless block_ids cover tokens [0, end_token) and those holding [start_token, end_token)
+    are valid (a windowed group's STALE entries before start_token are never addressed)."""
     need = -(-end_token // layout.block_size)
     if len(block_ids) < need:
         raise LayoutError(
             f"{side} has {len(block_ids)} blocks of {layout.block_size} tokens, {need} needed for {end_token} tokens"
         )
-    for b in block_ids[:need]:
+    for b in block_ids[start_token // layout.block_size : need]:
         if not 0 <= b < layout.num_blocks:
             raise LayoutError(f"{side} block id {b} is outside [0, {layout.num_blocks})")
 
@@ -109,8 +118,8 @@ def token_segments(
     if start_token < 0 or num_tokens < 0:
         raise LayoutError(f"bad token range: start {start_token}, count {num_tokens}")
     end = start_token + num_tokens
-    check_blocks(local, local_block_ids, end, "local")
-    check_blocks(remote, remote_block_ids, end, "remote")
+    check_blocks(local, local_block_ids, end, "local", start_token)
+    check_blocks(remote, remote_block_ids, end, "remote", start_token)
     lbs, rbs = local.block_size, remote.block_size
     segments: list[Segment] = []
     t = start_token
@@ -119,6 +128,52 @@ def token_segments(
         segments.append(Segment(local_block_ids[t // lbs], t % lbs, remote_block_ids[t // rbs], t % rbs, stop - t))
         t = stop
     return segments
+
+
+def group_ranges(
+    windows: Sequence[int | None], start_token: int, num_tokens: int, *block_sizes: int
+) -> list[tuple[int, int]]:
+    """Per KV group, the tokens [first, end) a transfer of [start_token, end = start_token + num_tokens) moves:
+    everything for a full-attention group; for a windowed group only what a query at position `end` (the last
+    prompt token, which D computes itself) reads, from the start of the block holding key end - window + 1 on
+    every side (the later of the sides' block starts, so both hold it; equal block sizes: whole blocks)."""
+    end = start_token + num_tokens
+    out = []
+    for window in windows:
+        first = max([start_token] + [first_live_block(window, end, bs) * bs for bs in block_sizes])
+        out.append((min(first, end), end))
+    return out
+
+
+def group_segments(
+    local: BlockLayout,
+    local_tables: Sequence[Sequence[int]],
+    remote: BlockLayout,
+    remote_tables: Sequence[Sequence[int]],
+    windows: Sequence[int | None],
+    start_token: int,
+    num_tokens: int,
+) -> list[Segment]:
+    """token_segments of every KV group over its group_ranges, in group order (one table per group on each
+    side; every block holds one group's layers, so the segments of all groups share one layout)."""
+    if not len(local_tables) == len(remote_tables) == len(windows):
+        raise LayoutError(
+            f"KV groups differ: {len(windows)} here, local tables {len(local_tables)}, remote {len(remote_tables)}"
+        )
+    segments: list[Segment] = []
+    ranges = group_ranges(windows, start_token, num_tokens, local.block_size, remote.block_size)
+    for (first, end), lt, rt in zip(ranges, local_tables, remote_tables, strict=True):
+        segments += token_segments(local, lt, remote, rt, first, end - first)
+    return segments
+
+
+def live_ranges(tables: Sequence[Sequence[int]], block_size: int) -> list[tuple[Sequence[int], int]]:
+    """(table, first token of its first live block) per KV group: a windowed group's STALE entries come first."""
+    out = []
+    for table in tables:
+        first = next((i for i, b in enumerate(table) if b != STALE), len(table))
+        out.append((table, first * block_size))
+    return out
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class NopScheduler(ConnectorScheduler):
         num_local_tokens: int,
         num_prompt_tokens: int,
         source: PullSource | PushSource,
+        block_tables: Sequence[Sequence[int]] = (),
     ) -> None:
         raise RuntimeError("a colocated instance never waits for remote KV")
 
@@ -40,6 +41,7 @@ class NopScheduler(ConnectorScheduler):
         num_tokens: int,
         params: KVTransferParams | None,
         token_ids: Sequence[int] = (),
+        block_tables: Sequence[Sequence[int]] = (),
     ) -> bool:
         return False
 

@@ -28,7 +28,8 @@ DO_REMOTE_PREFILL = "do_remote_prefill"  # D: the KV comes from a prefill instan
 REMOTE_ENGINE_ID = "remote_engine_id"
 REMOTE_HOST = "remote_host"  # P's side channel
 REMOTE_PORT = "remote_port"
-REMOTE_BLOCK_IDS = "remote_block_ids"  # pull: P's blocks, in token order
+REMOTE_BLOCK_IDS = "remote_block_ids"  # pull: P's blocks, in token order (windowed model: every group's live ones)
+REMOTE_BLOCK_TABLES = "remote_block_tables"  # pull, windowed model (pdserve's): P's table per KV group, -1 = STALE
 REMOTE_REQUEST_ID = "remote_request_id"  # pull: P's request id (the release names it)
 REMOTE_NUM_TOKENS = "remote_num_tokens"  # pull: tokens whose KV P holds
 REMOTE_BLOCK_SIZE = "remote_block_size"  # pull: P's tokens per block
@@ -100,6 +101,9 @@ class PullSource:
     block_size: int | None  # P's tokens per block; None: taken from the handshake
     tp_size: int = 1  # P's tensor-parallel size
     capability: Capability | None = None  # P's, over all of the above and the prompt digest (None: unsigned)
+    # windowed model: P's table per KV group (-1: STALE, freed); block_ids then holds every group's live blocks
+    # (the pin's identity, named by D's release). (): one group, block_ids
+    block_tables: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -202,13 +206,33 @@ def _pull_source(raw: dict[str, Any]) -> PullSource:
         _opt_int(raw, REMOTE_BLOCK_SIZE, 1, MAX_BLOCK_SIZE),
         _opt_int(raw, TP_SIZE, 1, MAX_TP_SIZE) or 1,
         _capability(raw),
+        _block_tables(raw),
     )
-    if src.block_size is not None and len(src.block_ids) * src.block_size < src.num_tokens:
+    tables = src.block_tables or (src.block_ids,)
+    if src.block_size is not None and min(len(t) for t in tables) * src.block_size < src.num_tokens:
         raise KVParamsError(
             REMOTE_BLOCK_IDS,
-            f"{len(src.block_ids)} blocks of {src.block_size} tokens cannot hold {src.num_tokens} tokens",
+            f"{min(len(t) for t in tables)} blocks of {src.block_size} tokens cannot hold {src.num_tokens} tokens",
         )
     return src
+
+
+def _block_tables(raw: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """remote_block_tables: a list of lists of block ids or -1 (STALE), at most MAX_BLOCKS entries in all."""
+    tables = raw.get(REMOTE_BLOCK_TABLES)
+    if tables is None:
+        return ()
+    if (
+        not isinstance(tables, list)
+        or not all(isinstance(t, list) for t in tables)
+        or sum(len(t) for t in tables) > MAX_BLOCKS
+        or any(type(b) is not int or not -1 <= b <= MAX_BLOCK_ID for t in tables for b in t)
+    ):
+        raise KVParamsError(
+            REMOTE_BLOCK_TABLES,
+            f"must be lists of block ids in [-1, {MAX_BLOCK_ID}], at most {MAX_BLOCKS} in all, got {_show(tables)}",
+        )
+    return tuple(tuple(t) for t in tables)
 
 
 def _capability(raw: dict[str, Any]) -> Capability | None:
@@ -316,6 +340,7 @@ def encode(value: KVTransferParams | KVAnswer) -> dict[str, Any]:
             TP_SIZE: value.tp_size,
             TRANSFER_MODE: Mode.PULL.value,
             CAPABILITY: _encode_capability(value.capability),
+            REMOTE_BLOCK_TABLES: [list(t) for t in value.block_tables] or None,
         }
         return {k: v for k, v in out.items() if v is not None}
     if isinstance(value, PushSource):

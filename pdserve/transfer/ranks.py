@@ -18,7 +18,9 @@ from pdserve.transfer.params import PullSource, PushSource
 from pdserve.transfer.params import decode as decode_params
 from pdserve.transfer.params import encode as encode_params
 
-RANKS_VERSION = 1  # 1: StepMeta and TransferResults + TransferStats between the ranks of one instance (2026-12-03)
+# 1: StepMeta and TransferResults + TransferStats between the ranks of one instance (2026-12-03).
+# 2: RecvTask/SendTask block_tables (sliding-window models: a table per KV group) (2026-12-04).
+RANKS_VERSION = 2
 
 
 class RanksError(ValueError):
@@ -26,9 +28,10 @@ class RanksError(ValueError):
 
 
 def encode_meta(meta: StepMeta) -> bytes:
-    recvs = [[r.request_id, list(r.block_ids), r.start_token, r.num_tokens, encode_params(r.source), r.attempt]
-             for r in meta.recvs]  # fmt: skip
-    sends = [[s.request_id, list(s.block_ids), s.num_tokens, s.transfer_id] for s in meta.sends]
+    recvs = [[r.request_id, list(r.block_ids), r.start_token, r.num_tokens, encode_params(r.source), r.attempt,
+              [list(t) for t in r.block_tables]] for r in meta.recvs]  # fmt: skip
+    sends = [[s.request_id, list(s.block_ids), s.num_tokens, s.transfer_id, [list(t) for t in s.block_tables]]
+             for s in meta.sends]  # fmt: skip
     return msgpack.packb(
         {"v": RANKS_VERSION, "recvs": recvs, "sends": sends, "cancels": meta.cancels,
          "expected": [list(e) for e in meta.expected], "abandoned": meta.abandoned, "releases": meta.releases},
@@ -38,14 +41,18 @@ def encode_meta(meta: StepMeta) -> bytes:
 def decode_meta(data: bytes) -> StepMeta:
     m = _map(data)
     recvs = []
-    for rid, blocks, start, num, source, attempt in m["recvs"]:
+    for rid, blocks, start, num, source, attempt, tables in m["recvs"]:
         src = decode_params(source)
         if not isinstance(src, PullSource | PushSource):
             raise RanksError(f"recv {rid}: its source is not a prefill's coordinates")
-        recvs.append(RecvTask(rid, tuple(blocks), start, num, src, attempt))
-    sends = [SendTask(rid, tuple(blocks), num, tid) for rid, blocks, num, tid in m["sends"]]
+        recvs.append(RecvTask(rid, tuple(blocks), start, num, src, attempt, _tables(tables)))
+    sends = [SendTask(rid, tuple(blocks), num, tid, _tables(tables)) for rid, blocks, num, tid, tables in m["sends"]]
     return StepMeta(recvs, sends, list(m["cancels"]), [(a, b) for a, b in m["expected"]], list(m["abandoned"]),
                     list(m["releases"]))  # fmt: skip
+
+
+def _tables(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t) for t in tables)
 
 
 def encode_results(res: TransferResults, stats: TransferStats) -> bytes:

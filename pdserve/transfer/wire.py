@@ -24,7 +24,9 @@ from pdserve.transfer.heads import mapping_error
 #    and Pong.epoch (a restarted peer is recognised) (2026-12-02).
 # 6: tensor parallelism: PeerInfo.total_kv_heads and .rank_ports (every rank's side channel); the compatibility
 #    hash covers the model's KV heads, not a rank's; D registers with / releases to every P rank (2026-12-03).
-WIRE_VERSION = 6
+# 7: sliding-window models: PeerInfo.group_windows / .group_layers (the KV layer groups, in the compatibility
+#    hash) and PushRegister.block_tables (D's table per group) (2026-12-04).
+WIRE_VERSION = 7
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 
@@ -58,6 +60,12 @@ class PeerInfo:
     rank_ports: list[int]  # side-channel port of every rank, on this host (rank 0's handshake lists them all)
     compat_hash: str
     epoch: int  # this process's start (time.time_ns()): a restarted peer at the same address has another
+    group_windows: list[int]  # per KV group (model/kv_groups.py): its sliding window, 0 = the whole context
+    group_layers: list[list[int]]  # per KV group: its model layer indices (slot j of a block holds layers[j])
+
+    @property
+    def is_windowed(self) -> bool:
+        return any(w > 0 for w in self.group_windows)
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,7 @@ class PushRegister:
     num_tokens: int
     tp_rank: int  # D's rank
     keepalive_ms: int  # while the prefill is queued or running on P, P sends PushQueued at least this often
+    block_tables: list[list[int]]  # windowed model: D's table per KV group (-1: STALE); []: one group, block_ids
 
 
 @dataclass(frozen=True)
@@ -251,6 +260,10 @@ def _check(cls: type, name: str, v: Any, hint: Any) -> Any:
         if not isinstance(v, list) or any(type(x) is not int for x in v):
             raise WireError(f"{cls.__name__}.{name}: expected a list of int")
         return v
+    if hint == list[list[int]]:
+        if not isinstance(v, list) or any(not isinstance(t, list) or any(type(x) is not int for x in t) for t in v):
+            raise WireError(f"{cls.__name__}.{name}: expected a list of lists of int")
+        return v
     if hint == PeerInfo or hint == PeerInfo | None:
         if v is None and hint != PeerInfo:
             return None
@@ -288,7 +301,10 @@ def decode(data: bytes) -> Message:
 
 
 # ---- compatibility --------------------------------------------------------------------------------------------
-COMPAT_FIELDS = ("model_name", "dtype", "num_layers", "total_kv_heads", "head_dim", "transfer_mode", "wire_version")
+COMPAT_FIELDS = (
+    "model_name", "dtype", "num_layers", "total_kv_heads", "head_dim", "transfer_mode", "wire_version",
+    "group_windows", "group_layers",
+)  # fmt: skip
 
 
 def compat_hash(values: dict[str, Any]) -> str:
@@ -301,6 +317,11 @@ def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = F
     """None if the two can exchange KV, else an error naming both sides' values (for tensor-parallel sizes that
     cannot map, both sides' TP sizes and KV head counts, as heads.mapping_error words it)."""
     if local.compat_hash == peer.compat_hash == compat_hash(dataclasses.asdict(peer)):
+        if (local.is_windowed or peer.is_windowed) and local.block_size != peer.block_size:
+            return (
+                f"incompatible with peer engine {peer.engine_id!r}: sliding-window KV groups need equal block "
+                f"sizes on both sides: peer has {peer.block_size}, this instance has {local.block_size}"
+            )
         return _mapping(local, peer, local_is_producer)
     diffs = []
     for name in COMPAT_FIELDS:
@@ -309,11 +330,23 @@ def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = F
             continue
         if name == "transfer_mode":
             diffs.append(f"peer is in {theirs} mode, this instance is in {mine} mode")
+        elif name in ("group_windows", "group_layers"):
+            words = f"KV groups: peer has {_groups(peer)}, this instance has {_groups(local)}"
+            diffs += [words] if words not in diffs else []
         else:
             diffs.append(f"{name}: peer has {theirs!r}, this instance has {mine!r}")
     if not diffs:
         diffs.append(f"compatibility hash: peer sent {peer.compat_hash}, this instance has {local.compat_hash}")
     return f"incompatible with peer engine {peer.engine_id!r}: " + "; ".join(diffs)
+
+
+def _groups(info: PeerInfo) -> str:
+    """The KV group structure in words: window (or full) and layers per group."""
+    parts = [
+        f"{f'window {w}' if w else 'full'} layers {layers}"
+        for w, layers in zip(info.group_windows, info.group_layers, strict=False)
+    ]
+    return "[" + ", ".join(parts) + "]"
 
 
 def _mapping(local: PeerInfo, peer: PeerInfo, local_is_producer: bool) -> str | None:

@@ -13,7 +13,7 @@ import torch
 from test_generate import _hf_greedy, _llm, _prompts
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import ConfigError, EngineConfig, ModelConfig, TransferConfig
+from pdserve.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig, TransferConfig
 from pdserve.engine.engine import check_windowed_supported
 from pdserve.model.attention import paged_attention
 from pdserve.model.kv_groups import STALE, KVGroups
@@ -118,9 +118,14 @@ def test_prefix_hits_past_the_window(
     assert llm.engine.pool.num_free == 128
 
 
-def test_pd_refused_for_windowed_models(tiny_model_dirs: dict[str, Path]) -> None:
+def test_pd_served_and_tp_refused_for_several_groups(tiny_model_dirs: dict[str, Path]) -> None:
     folder = str(tiny_model_dirs["gemma3"])
-    config = EngineConfig(model=ModelConfig(model=folder), transfer=TransferConfig(role="prefill"))
-    with pytest.raises(ConfigError, match="sliding-window layers .*--kv-role both"):
+    for role in ("prefill", "decode", "both"):  # P/D moves every group (tests/e2e/test_pd_windowed.py)
+        config = EngineConfig(model=ModelConfig(model=folder), transfer=TransferConfig(role=role))
         check_windowed_supported(model_arch(config.model), config)
-    check_windowed_supported(model_arch(config.model), EngineConfig(model=ModelConfig(model=folder)))
+    config = EngineConfig(
+        model=ModelConfig(model=folder), transfer=TransferConfig(role="decode"),
+        parallel=ParallelConfig(tensor_parallel_size=2),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2: .* KV groups"):
+        check_windowed_supported(model_arch(config.model), config)

@@ -38,7 +38,7 @@ def _context() -> Any:
 
 def _child(
     conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: int, fill: str, model: str, dims: tuple,
-    env: dict[str, str], device: str,
+    env: dict[str, str], device: str, windows: tuple[int | None, ...] = (),
 ) -> None:  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update(env)
@@ -48,13 +48,17 @@ def _child(
 
     logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(levelname)s %(message)s")
     from pdserve.config import TransferConfig
+    from pdserve.model.kv_groups import KVGroups
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
     from pdserve.transfer.params import decode, encode
 
     torch.set_num_threads(1)
     cfg = TransferConfig(**cfg_kwargs)
-    sched, worker = make_connectors(cfg, block_size)
+    # windows: per model layer (model/kv_groups.py); every group must hold dims' layers per block
+    groups = KVGroups.of(windows, len(windows)) if windows else None
+    assert groups is None or groups.layers_per_block == dims[0], groups
+    sched, worker = make_connectors(cfg, block_size, kv_groups=groups)
     kv_shape = shape(num_blocks, block_size, dims)
     if fill == "values":
         kv = (torch.arange(int(np.prod(kv_shape)), dtype=torch.float32) + 1.0).reshape(kv_shape)
@@ -64,7 +68,7 @@ def _child(
     layers, heads, head_dim = dims
     memory, dev_id = ("VRAM", kv.device.index or 0) if kv.is_cuda else ("DRAM", 0)
     spec = KVCacheSpec(kv.data_ptr(), layers, num_blocks, block_size, heads, head_dim, 4, memory, dev_id, model,
-                       "float32")  # fmt: skip
+                       "float32", kv_groups=groups)  # fmt: skip
     worker.register_kv_cache(kv, spec)
     worker.start(lambda: None)
     results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "cancelled_recvs": [],
@@ -85,10 +89,11 @@ def _child(
                     reply = sched.needs_remote_kv(args[0], params[args[0]])
                 except ValueError as e:  # the server's 400: the test's call() raises it
                     reply = e
-            elif cmd == "alloc":
-                sched.on_blocks_allocated(*args, params.pop(args[0]))
+            elif cmd == "alloc":  # (request id, blocks, local tokens, prompt tokens[, a table per KV group])
+                sched.on_blocks_allocated(*args[:4], params.pop(args[0]), block_tables=args[4] if args[4:] else ())
             elif cmd == "finish":  # -> (keep blocks, the response's kv_transfer_params as JSON)
-                keep = sched.on_request_finished(*args[:3], decode(args[3]))
+                tables = args[4] if args[4:] else ()  # a table per KV group (windowed models)
+                keep = sched.on_request_finished(*args[:3], decode(args[3]), block_tables=tables)
                 answer = sched.take_answer(args[0])
                 reply = keep, None if answer is None else encode(answer)
             elif cmd == "abort":
@@ -120,7 +125,7 @@ class Instance:
 
     def __init__(self, role: str, mode: str, block_size: int = 4, num_blocks: int = 16, model: str = "tiny",
                  dims: tuple[int, int, int] = (NUM_LAYERS, NUM_HEADS, HEAD_DIM), env: dict[str, str] | None = None,
-                 device: str = "cpu", **cfg: Any) -> None:  # fmt: skip
+                 device: str = "cpu", windows: tuple[int | None, ...] = (), **cfg: Any) -> None:  # fmt: skip
         self.block_size, self.num_blocks = block_size, num_blocks
         ctx = _context()
         self.conn, child = ctx.Pipe()
@@ -128,7 +133,7 @@ class Instance:
         fill = "values" if role == "prefill" else "empty"
         self.proc = ctx.Process(
             target=_child,
-            args=(child, kwargs, block_size, num_blocks, fill, model, dims, env or {}, device),
+            args=(child, kwargs, block_size, num_blocks, fill, model, dims, env or {}, device, windows),
             daemon=True,
         )
         self.proc.start()

@@ -5,7 +5,7 @@ rank merger's one-result-per-request rule; StepMeta between ranks round-trips.""
 import numpy as np
 import pytest
 
-from pdserve.transfer.base import RecvTask, StepMeta, TransferResults
+from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults
 from pdserve.transfer.heads import mapping_error, rank_heads, sources
 from pdserve.transfer.layout import BlockLayout, Heads, descriptors, token_segments
 from pdserve.transfer.params import PushSource
@@ -73,3 +73,7 @@ def test_step_meta_round_trip() -> None:
     meta = StepMeta(recvs=[RecvTask("a", (0, 1), 0, 5, PushSource("t", "h", 9, "e", 2), 1)], cancels=["x"],
                     expected=[("r", "t")], releases=["y"])  # fmt: skip
     assert decode_meta(encode_meta(meta)) == meta
+    tables = ((0, 1, 2), (-1, 3, 4))  # a windowed model: a table per KV group, STALE entries included
+    windowed = StepMeta(recvs=[RecvTask("b", (0, 1, 2), 0, 9, PushSource("t", "h", 9, "e", 2), 0, tables)],
+                        sends=[SendTask("c", (0, 1, 2), 10, "t", tables)])  # fmt: skip
+    assert decode_meta(encode_meta(windowed)) == windowed

@@ -28,10 +28,11 @@ from pdserve.transfer.wire import (
 def info(**kw) -> PeerInfo:
     tp = {k: kw.pop(k) for k in ("tp_size", "num_kv_heads") if k in kw}
     v = dict(model_name="m", dtype="float32", num_layers=2, total_kv_heads=2, head_dim=4, transfer_mode="pull",
-             wire_version=WIRE_VERSION)  # fmt: skip
+             wire_version=WIRE_VERSION, group_windows=[0], group_layers=[[0, 1]])  # fmt: skip
+    block_size = kw.pop("block_size", 4)
     v.update(kw)
     return PeerInfo(engine_id="e1", agent_name="a1", agent_metadata=b"\x00md", base_addr=1 << 40, num_blocks=16,
-                    block_size=4, token_bytes=32, device_id=0, memory="DRAM", tp_rank=0,
+                    block_size=block_size, token_bytes=32, device_id=0, memory="DRAM", tp_rank=0,
                     tp_size=tp.get("tp_size", 1), num_kv_heads=tp.get("num_kv_heads", 2), rank_ports=[5000, 5001],
                     compat_hash=compat_hash(v), epoch=1_700_000_000_000_000_000, **v)  # fmt: skip
 
@@ -43,7 +44,8 @@ def info(**kw) -> PeerInfo:
         PullRelease("r1", True, 123, [4, 5]),
         PullReleaseAck("r1", False, "the lease expired"),
         Pong("e1", "a1", 7),
-        PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0, 15000),
+        PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0, 15000, []),
+        PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0, 15000, [[1, 2, 3], [-1, 4, 5]]),
         PushQueued("t1", 2),
         PushCancelAck("t1", 0, 0, False),
         HandshakeRequest(info(), True),
@@ -83,6 +85,7 @@ def test_round_trip(msg):
                     "num_tokens": 1,
                     "tp_rank": 0,
                     "keepalive_ms": 1000,
+                    "block_tables": [],
                 }
             ),
             "list of int",
@@ -125,3 +128,20 @@ def test_tp_mapping_that_cannot_work_names_both_sides():
     assert err is not None and "prefill TP 3 with 2 KV heads, decode TP 4 with 2 KV heads" in err
     err = incompatibility(info(tp_size=3, num_kv_heads=1), info(tp_size=1), local_is_producer=True)
     assert err is not None and "prefill TP 3 with 2 KV heads, decode TP 1 with 2 KV heads" in err
+
+
+def test_kv_groups_that_disagree_are_refused_naming_both():
+    windowed = dict(group_windows=[0, 8], group_layers=[[0], [1]])
+    err = incompatibility(info(), info(**windowed))
+    assert err is not None
+    assert "KV groups: peer has [full layers [0], window 8 layers [1]]" in err
+    assert "this instance has [full layers [0, 1]]" in err
+    assert err.count("KV groups") == 1
+    assert incompatibility(info(**windowed), info(**windowed)) is None
+
+
+def test_windowed_groups_need_equal_block_sizes():
+    windowed = dict(group_windows=[0, 8], group_layers=[[0], [1]])
+    err = incompatibility(info(block_size=4, **windowed), info(block_size=8, **windowed))
+    assert err is not None and "equal block sizes" in err and "peer has 8, this instance has 4" in err
+    assert incompatibility(info(block_size=4), info(block_size=8)) is None  # full attention: any block sizes

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pdserve.config import TransferConfig
+from pdserve.model.kv_groups import KVGroups
 from pdserve.transfer.base import RecvTask, StepMeta
 from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
@@ -15,7 +18,7 @@ class SchedulerBase:
 
     def __init__(
         self, cfg: TransferConfig, block_size: int, host: str, port: int, tp_size: int = 1,
-        rank_ports: tuple[int, ...] = (),
+        rank_ports: tuple[int, ...] = (), kv_groups: KVGroups | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.block_size = block_size
@@ -23,6 +26,7 @@ class SchedulerBase:
         self.port = port
         self.tp_size = tp_size
         self.rank_ports = (port, *rank_ports) if tp_size > 1 else ()  # every rank's side channel, on host
+        self.kv_groups = kv_groups or KVGroups.of((), 1)  # the model's KV layer groups (for /kv_transfer/info)
         self.meta = StepMeta()  # what the next build_step_meta() hands over
         self._answers: dict[str, KVAnswer] = {}  # P: request id -> its response's params, until take_answer()
 
@@ -38,10 +42,12 @@ class SchedulerBase:
         num_local_tokens: int,
         num_prompt_tokens: int,
         source: PullSource | PushSource,
+        block_tables: Sequence[Sequence[int]] = (),
     ) -> None:
         # D computes the last prompt token itself (and samples the first output token from its logits)
         num_tokens = max(0, num_prompt_tokens - 1 - num_local_tokens)
-        self.meta.recvs.append(self.recv_task(request_id, tuple(block_ids), num_local_tokens, num_tokens, source))
+        task = self.recv_task(request_id, tuple(block_ids), num_local_tokens, num_tokens, source)
+        self.meta.recvs.append(replace(task, block_tables=tuple(tuple(t) for t in block_tables)))
 
     def recv_task(
         self, request_id: str, block_ids: tuple[int, ...], start: int, num_tokens: int, source: PullSource | PushSource
@@ -75,4 +81,5 @@ class SchedulerBase:
             "block_size": self.block_size,
             "transfer_mode": self.cfg.mode,
             "kv_role": self.cfg.role,
+            "kv_groups": self.kv_groups.describe(),  # per group: window (None: whole context) and layers
         }

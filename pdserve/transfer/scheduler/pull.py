@@ -24,13 +24,16 @@ class PullScheduler(SchedulerBase, ConnectorScheduler):
         num_tokens: int,
         params: KVTransferParams | None,
         token_ids: Sequence[int] = (),
+        block_tables: Sequence[Sequence[int]] = (),
     ) -> bool:
         if not isinstance(params, RemoteDecode):
             return False
-        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens))
+        tables = tuple(tuple(t) for t in block_tables)
+        send = SendTask(request_id, tuple(block_ids), num_tokens, block_tables=tables)
+        self.meta.sends.append(send)
         source = PullSource(
-            self.host, self.port, self.cfg.engine_id, request_id, tuple(block_ids), num_tokens, self.block_size,
-            self.tp_size,
+            self.host, self.port, self.cfg.engine_id, request_id, send.pin_ids, num_tokens, self.block_size,
+            self.tp_size, block_tables=tables,
         )  # fmt: skip
         self._answers[request_id] = self._auth.issue_pull(source, token_ids, self.cfg.lease_s)
         return True

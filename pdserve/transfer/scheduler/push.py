@@ -54,6 +54,7 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
         num_tokens: int,
         params: KVTransferParams | None,
         token_ids: Sequence[int] = (),
+        block_tables: Sequence[Sequence[int]] = (),
     ) -> bool:
         self._producing.pop(request_id, None)  # ends as the SendTask below (same transfer id)
         if not isinstance(params, RemoteDecode):
@@ -62,6 +63,10 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
             log.warning("push: request %s has do_remote_decode but no transfer_id; not pinned", request_id)
             self._answers[request_id] = Refusal("push mode needs a transfer_id in kv_transfer_params")
             return False
-        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens, params.transfer_id))
+        self.meta.sends.append(
+            SendTask(
+                request_id, tuple(block_ids), num_tokens, params.transfer_id, tuple(tuple(t) for t in block_tables)
+            )
+        )
         self._answers[request_id] = PushAnswer(params.transfer_id, self.cfg.engine_id)
         return True

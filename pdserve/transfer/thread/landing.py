@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from pdserve.transfer.base import RecvTask
 from pdserve.transfer.faults import FaultPoint
+from pdserve.transfer.layout import group_ranges
 from pdserve.transfer.thread.context import TransferContext
 
 
@@ -21,11 +22,15 @@ def land(
         end(None)
         return
 
+    # per KV group, the tokens that landed (equal block sizes on both sides for windowed models: wire.py)
+    ranges = group_ranges(ctx.spec.windows, task.start_token, task.num_tokens, ctx.layout.block_size)
+
     def copy_in() -> None:
         if not is_current():
             return
         try:
-            stager.stage_in(task.block_ids, task.start_token, task.num_tokens)
+            for table, (first, stop) in zip(task.tables, ranges, strict=True):
+                stager.stage_in(table, first, stop - first)
         except Exception as e:  # noqa: BLE001 - a failed copy fails this recv, not the thread
             end(f"copy from the host staging buffer failed: {e}")
             return

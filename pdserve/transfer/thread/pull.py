@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pdserve.transfer.base import RecvTask, SendTask, StepMeta
 from pdserve.transfer.faults import FaultPoint
-from pdserve.transfer.layout import LayoutError, descriptors, num_bytes, token_segments
+from pdserve.transfer.layout import LayoutError, descriptors, group_segments, num_bytes
 from pdserve.transfer.params import PullSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
@@ -156,9 +156,9 @@ class PullCore:
                     self.early.popitem(last=False)
             return
         send = pin.send
-        if list(send.block_ids) != msg.block_ids:
+        if list(send.pin_ids) != msg.block_ids:
             log.warning("pull: release of %s names blocks %s, the pin holds %s; pin kept", rid, msg.block_ids,
-                        list(send.block_ids))  # fmt: skip
+                        list(send.pin_ids))  # fmt: skip
             self._ack(sender, msg, False, "the release names other blocks than the pin holds")
             return
         consumer = self.ctx.peers.by_agent(sender)
@@ -244,7 +244,8 @@ class PullCore:
         for p_rank, heads in self.ctx.heads_from(rd.peers[0].info).items():
             peer = rd.peers[p_rank]
             try:
-                segs = token_segments(self.ctx.layout, task.block_ids, peer.layout, remote.block_ids,
+                segs = group_segments(self.ctx.layout, task.tables, peer.layout,
+                                      remote.block_tables or (remote.block_ids,), self.ctx.spec.windows,
                                       task.start_token, task.num_tokens)  # fmt: skip
                 local_descs, remote_descs = descriptors(self.ctx.layout, peer.layout, segs, heads)
                 xfer = self.ctx.post("READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory)

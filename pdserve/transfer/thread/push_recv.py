@@ -143,7 +143,7 @@ class RecvSide:
         keepalive_ms = max(MIN_KEEPALIVE_MS, int(self.ctx.cfg.recv_timeout_s * 1000 / KEEPALIVES_PER_TIMEOUT))
         msg = PushRegister(w.remote.transfer_id, t.attempt, self.ctx.local.engine_id, list(t.block_ids),
                            self.ctx.layout.block_size, t.start_token, t.num_tokens, self.ctx.spec.tp_rank,
-                           keepalive_ms)  # fmt: skip
+                           keepalive_ms, block_tables=[list(b) for b in t.block_tables])  # fmt: skip
         w.state, w.registered_at = WaitState.REGISTERED, time.monotonic()
         for p_rank, peer in w.peers.items():
             try:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.faults import FaultPoint
-from pdserve.transfer.layout import LayoutError, descriptors, token_segments
+from pdserve.transfer.layout import LayoutError, descriptors, group_ranges, group_segments
 from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.peers import Peer
@@ -236,6 +236,11 @@ class SendSide:
     def _rank(self) -> int:
         return self.ctx.spec.tp_rank
 
+    def _ranges(self, msg: PushRegister, remote_block_size: int) -> list[tuple[int, int]]:
+        """Per KV group, the tokens this WRITE reads (layout.group_ranges)."""
+        bs = (self.ctx.layout.block_size, remote_block_size)
+        return group_ranges(self.ctx.spec.windows, msg.start_token, msg.num_tokens, *bs)
+
     def _write(self, r: _Rendezvous) -> None:
         reg, send = r.reg, r.send
         assert reg is not None and send is not None
@@ -250,9 +255,10 @@ class SendSide:
                 raise LayoutError(
                     f"the prefill has KV for {send.num_tokens} tokens, D asked up to {msg.start_token + msg.num_tokens}"
                 )
-            segs = token_segments(
-                self.ctx.layout, send.block_ids, peer.layout, msg.block_ids, msg.start_token, msg.num_tokens
-            )
+            segs = group_segments(
+                self.ctx.layout, send.tables, peer.layout, msg.block_tables or [msg.block_ids], self.ctx.spec.windows,
+                msg.start_token, msg.num_tokens,
+            )  # fmt: skip
             heads = self.ctx.heads_to(peer.info)  # this rank's slice of D's rank's heads (heads.py)
             if heads is not None:
                 local, remote = descriptors(self.ctx.layout, peer.layout, segs, heads)
@@ -271,7 +277,8 @@ class SendSide:
                 self.ctx.agent.send_notif(peer.agent_name, done)
             else:
                 if self.ctx.stager is not None:  # KV cache -> host mirror, exactly the blocks this WRITE reads
-                    self.ctx.stager.stage_out(send.block_ids, msg.start_token, msg.num_tokens)
+                    for table, (first, end) in zip(send.tables, self._ranges(msg, peer.layout.block_size), strict=True):
+                        self.ctx.stager.stage_out(table, first, end - first)
                 r.xfer = self.ctx.post("WRITE", local, remote, peer.agent_name, done, peer.info.memory)
         except (AgentError, RuntimeError) as e:
             if isinstance(e, PeerGone):

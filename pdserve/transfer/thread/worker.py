@@ -18,7 +18,7 @@ from typing import Any
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import ConnectorWorker, KVCacheSpec, StepMeta, TransferResults, TransferStats
 from pdserve.transfer.faults import NO_FAULTS
-from pdserve.transfer.layout import BlockLayout
+from pdserve.transfer.layout import BlockLayout, live_ranges
 from pdserve.transfer.staging import make_stager
 from pdserve.transfer.thread.agent import AgentError, NixlAgent
 from pdserve.transfer.thread.context import ModeCore, TransferContext
@@ -90,6 +90,10 @@ def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent, ep
         head_dim=spec.head_dim,
         transfer_mode=cfg.mode,
         wire_version=WIRE_VERSION,
+        group_windows=[w or 0 for w in spec.windows],
+        group_layers=(
+            [list(g.layers) for g in spec.kv_groups.groups] if spec.kv_groups else [list(range(spec.num_layers))]
+        ),
     )
     return PeerInfo(
         engine_id=cfg.engine_id,
@@ -165,7 +169,8 @@ class NixlWorker(ConnectorWorker):
                 # D READs as soon as it has P's response, which the engine returns only after this call:
                 # the blocks must be in the mirror (copy done) before submit() returns (staging.py).
                 for send in meta.sends:
-                    stager.stage_out(send.block_ids, 0, send.num_tokens, engine_thread=True)
+                    for table, first in live_ranges(send.tables, stager.block_size):
+                        stager.stage_out(table, first, max(0, send.num_tokens - first), engine_thread=True)
             else:  # push: the transfer thread copies just before its WRITE, after this point of the stream
                 stager.mark_ready()
         self.thread.post(lambda: core.on_step(meta, time.monotonic()))

@@ -1,0 +1,114 @@
+"""1P1D for sliding-window models, pull and push through the router: prompts past the window, disaggregated ==
+colocated token for token; the transfer metrics show the windowed groups moved only their window's blocks; every
+block is free afterwards. Tiny Gemma 3 (layers 0, 2: window 6; layers 1, 3: full; two groups of two layers) and
+tiny Mistral with a window of 10 (one windowed group of both layers), block size 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BS = 4
+# per family: (window per windowed group, bytes of one token's K and V in one group: 2 layers x 2 x heads x dim x 4)
+SHAPES = {"gemma3": (6, 2 * 2 * 2 * 16 * 4), "mistral_swa": (10, 2 * 2 * 1 * 16 * 4)}
+GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 12}
+# byte tokens + BOS; the second is 56 tokens, so D's cached blocks (the window before token 55 and every full
+# group's) make a prefix hit of 14 blocks for EXTENDED, which moves only the rest
+PROMPTS = ["The quick brown fox jumps over the lazy dog, twice.", "sliding windows: " + "abcdefgh" * 4 + "abcdef"]
+EXTENDED = PROMPTS[1] + " and then some more"
+
+
+@dataclass
+class Family:
+    ref: Proc
+    p: dict[str, Proc]  # mode -> P
+    d: dict[str, Proc]  # mode -> D
+    routers: dict[str, Proc]
+
+
+@pytest.fixture(scope="module")
+def families(launcher: Launcher, tiny_model_dirs: dict[str, Path]) -> dict[str, Family]:
+    def serve(model: Path, name: str, *args: str) -> Proc:
+        return launcher.serve(model, "--num-gpu-blocks", "64", "--block-size", str(BS), *args, name=name)
+
+    out = {}
+    for fam, modes in (("gemma3", ("pull", "push")), ("mistral_swa", ("pull",))):
+        model = tiny_model_dirs[fam]
+        p = {m: serve(model, f"{fam}-P-{m}", "--kv-role", "prefill", "--kv-transfer", m) for m in modes}
+        d = {m: serve(model, f"{fam}-D-{m}", "--kv-role", "decode", "--kv-transfer", m) for m in modes}
+        out[fam] = Family(serve(model, f"{fam}-ref", "--kv-role", "both"), p, d, {})
+    launcher.wait_ready()
+    for fam, f in out.items():
+        f.routers = {m: launcher.proxy(m, [f.p[m]], [f.d[m]], name=f"router-{fam}-{m}") for m in f.p}
+    launcher.wait_ready()
+    return out
+
+
+def completion(url: str, prompt: str) -> tuple[list[int], list[int]]:
+    resp = post(url, "/v1/completions", {"prompt": prompt, **GREEDY})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    return choice["prompt_token_ids"], choice["token_ids"]
+
+
+def expected_bytes(fam: str, num_prompt: int, start: int = 0) -> int:
+    """D computes the last prompt token itself: tokens [start, end) move for a full group (D has [0, start)), and
+    for a windowed group only those of the blocks holding what the query at `end` reads, keys (end - window, end]."""
+    window, token_bytes = SHAPES[fam]
+    end = num_prompt - 1
+    first = max(start, max(0, end - window + 1) // BS * BS)
+    moved_windowed = end - first
+    if fam == "gemma3":  # one full group + one windowed group
+        return (end - start + moved_windowed) * token_bytes
+    return moved_windowed * token_bytes  # mistral: one windowed group
+
+
+@pytest.mark.parametrize("fam,mode", [("gemma3", "pull"), ("gemma3", "push"), ("mistral_swa", "pull")])
+def test_disaggregated_equals_colocated_moving_only_the_window(families: dict[str, Family], fam: str, mode: str):
+    f = families[fam]
+    p, d = f.p[mode], f.d[mode]
+    for prompt in [*PROMPTS, EXTENDED]:
+        received = scrape_metrics(d.url)["pdserve_kv_received_bytes_total"]
+        sent = scrape_metrics(p.url)["pdserve_kv_sent_bytes_total"]
+        prompt_ids, tokens = completion(f.routers[mode].url, prompt)
+        assert len(prompt_ids) > SHAPES[fam][0] + 2 * BS  # past the window
+        assert (prompt_ids, tokens) == completion(f.ref.url, prompt)
+        for proc in (p, d):
+            m = wait_idle(proc.url)  # P counts its bytes when the transfer is over (pull: at D's release)
+            assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, (proc.name, m)
+        got = scrape_metrics(d.url)["pdserve_kv_received_bytes_total"] - received
+        if prompt == EXTENDED:  # D's prefix hit: tokens [0, 56) are not moved
+            assert got == expected_bytes(fam, len(prompt_ids), start=56), (prompt, len(prompt_ids))
+        else:
+            assert got == expected_bytes(fam, len(prompt_ids)), (prompt, len(prompt_ids))
+        assert scrape_metrics(p.url)["pdserve_kv_sent_bytes_total"] - sent == got
+
+
+def test_info_carries_the_groups(families: dict[str, Family]) -> None:
+    import httpx
+
+    info = httpx.get(families["gemma3"].p["pull"].url + "/kv_transfer/info", timeout=10, trust_env=False).json()
+    assert info["kv_groups"] == [{"window": None, "layers": [1, 3]}, {"window": 6, "layers": [0, 2]}]
+
+
+def test_one_windowed_group_under_tensor_parallelism(fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path]):
+    """Mistral-SWA (one windowed group) from P TP 2 (KV head replicated) to D TP 1, pull: each P rank's pin is
+    named by the same live blocks (transfer/ranks.py carries the tables), == colocated, every block free."""
+    model = tiny_model_dirs["mistral_swa"]
+    common = ("--num-gpu-blocks", "64", "--block-size", str(BS), "--kv-transfer", "pull")
+    ref = fresh_launcher.serve(model, *common[:4], name="ref")
+    p = fresh_launcher.serve(model, *common, "--kv-role", "prefill", "--tensor-parallel-size", "2", name="p")
+    d = fresh_launcher.serve(model, *common, "--kv-role", "decode", name="d")
+    fresh_launcher.wait_ready()
+    router = fresh_launcher.proxy("pull", [p], [d])
+    fresh_launcher.wait_ready()
+    assert completion(router.url, PROMPTS[1]) == completion(ref.url, PROMPTS[1])
+    for proc in (p, d):
+        m = wait_idle(proc.url)
+        assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, (proc.name, m)
