@@ -1,6 +1,6 @@
 """Tensor-parallel P/D over real processes (rank processes, gloo, real NIXL): 1P1D through the router equals a
-colocated TP 1 instance token for token for P TP 2 -> D TP 1, P TP 1 -> D TP 2 and P TP 2 -> D TP 2 (pull)
-and P TP 2 -> D TP 1 (push); afterwards every block is free, and D's timeline shows exactly one confirmation
+colocated TP 1 instance token for token, in both modes, for P TP 2 -> D TP 1, P TP 1 -> D TP 2 and
+P TP 2 -> D TP 2; afterwards every block is free, and D's timeline shows exactly one confirmation
 (pull: PullReleaseAck) per (D rank, P rank), or one PushDone per P rank holding the D rank's heads (push).
 tiny llama has 2 KV heads: at TP 2 each rank holds one."""
 
@@ -25,7 +25,10 @@ def _events(url: str, client_id: str) -> dict[str, float]:
     raise AssertionError(f"no timeline for {client_id} at {url}")
 
 
-@pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("pull", 2, 1), ("pull", 1, 2), ("pull", 2, 2), ("push", 2, 1)])
+@pytest.mark.parametrize(
+    ("mode", "p_tp", "d_tp"),
+    [("pull", 2, 1), ("pull", 1, 2), ("pull", 2, 2), ("push", 2, 1), ("push", 1, 2), ("push", 2, 2)],
+)
 def test_tp_pd_equals_tp1(fresh_launcher: Launcher, tiny_llama: Path, mode: str, p_tp: int, d_tp: int) -> None:
     ref = fresh_launcher.serve(tiny_llama, name="ref")
     common = ("--kv-transfer", mode)
@@ -47,7 +50,9 @@ def test_tp_pd_equals_tp1(fresh_launcher: Launcher, tiny_llama: Path, mode: str,
     if mode == "pull":
         want_names = {f"pull_ack.r{r}.p{q}" for r in range(d_tp) for q in range(p_tp)}
         got_names = {e for e in events if e.startswith("pull_ack.")}
-    else:  # D TP 1 holds both heads: one PushDone from each P rank
-        want_names = {f"push_done.r0.p{q}" for q in range(p_tp)}
+    else:  # D rank r gets its heads from the P ranks holding them: P TP 1 -> its rank 0; equal TP -> rank r
+        want_names = {
+            f"push_done.r{r}.p{q}" for r in range(d_tp) for q in range(p_tp) if p_tp == 1 or d_tp == 1 or q == r
+        }
         got_names = {e for e in events if e.startswith("push_done.")}
     assert got_names == want_names, events
