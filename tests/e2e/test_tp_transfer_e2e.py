@@ -6,11 +6,17 @@ tiny llama has 2 KV heads: at TP 2 each rank holds one."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Launcher, post, wait_idle
+from helpers import Launcher, Proc, post, wait_idle
+
+from pdserve.transfer.faults import Faults
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -56,3 +62,39 @@ def test_tp_pd_equals_tp1(fresh_launcher: Launcher, tiny_llama: Path, mode: str,
         }
         got_names = {e for e in events if e.startswith("push_done.")}
     assert got_names == want_names, events
+
+
+def _rank_pid(engine: Proc, rank: int) -> int:
+    """The pid of a TP instance's rank process (rank >= 1; ranks are spawned children of the engine process, in
+    rank order; the resource tracker is not one)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{engine.popen.pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    ranks = [c for c in sorted(children) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return ranks[rank - 1]
+
+
+@pytest.mark.parametrize("killed", ["p", "d"])
+def test_rank_killed_mid_push(fresh_launcher: Launcher, tiny_llama: Path, killed: str) -> None:
+    """P TP 2 -> D TP 2 (push), P holding the finished prefill back 4 s so both D ranks have registered: rank 1
+    of P or of D is SIGKILLed meanwhile. The request fails with an error naming the rank within seconds (no
+    hang), and the other instance frees every block."""
+    common = ("--kv-transfer", "push", "--tensor-parallel-size", "2")
+    p = fresh_launcher.serve(tiny_llama, "--kv-role", "prefill", *common, name="p",
+                             faults=Faults(delay_send_ready_s=4.0))  # fmt: skip
+    d = fresh_launcher.serve(tiny_llama, "--kv-role", "decode", *common, name="d")
+    fresh_launcher.wait_ready()
+    router = fresh_launcher.proxy("push", [p], [d])
+    fresh_launcher.wait_ready()
+    victim, survivor = (p, d) if killed == "p" else (d, p)
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        answer = pool.submit(post, router.url, "/v1/completions", BODY, {"X-Request-Id": "tp-kill"})
+        time.sleep(2.0)  # prefilled and registered; P's hand-over is still held back
+        os.kill(_rank_pid(victim, 1), signal.SIGKILL)
+        got = answer.result(timeout=30)
+    assert time.monotonic() - started < 20
+    assert got.status_code != 200 or "error" in got.text, got.text
+    assert "rank" in got.text, got.text
+    m = wait_idle(survivor.url)
+    assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], m
