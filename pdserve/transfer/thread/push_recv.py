@@ -16,7 +16,8 @@ sends PushCancel and the recv ends only when, for every producer, P answered
 (PushCancelAck, PushDone or PushFail) or P is known dead (NIXL says disconnected, or P's side channel
 refuses or answers with another agent). A timed-out recv whose data landed after all is reported finished.
 
-The number of producers (PushDone to count) is P's tp_size from its handshake, never the request's params.
+The producers (PushDone to count) are the P ranks holding this rank's heads, from both sides' TP sizes and
+KV heads in P's handshake (heads.py), never the request's params; each rank of a TP instance waits on its own.
 Every wait ends: a silent P is declared dead by the heartbeats (peers.py) within peer_timeout_s, and a cancel
 P never answers is given up after recv_timeout_s (logged as an error: P is alive yet ignores us).
 """

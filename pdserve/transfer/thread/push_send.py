@@ -1,9 +1,13 @@
 """Push, prefill side (transfer thread): the rendezvous of D's registration and P's finished prefill.
 
-Both arrive in either order, keyed by transfer_id; the registration carries an attempt number and only the
-newest attempt is ever written (older ones get PushFail). Whichever arrives second triggers one WRITE per
-destination (this rank -> D's rank) carrying a PushDone notification, which NIXL delivers after the data.
-P's blocks are handed back (finished_sends) when the WRITE is DONE or failed, never while it is in flight.
+Both arrive in either order, keyed by transfer_id; each rank of D registers on its own (its agent, its blocks),
+so a rendezvous holds one part per D rank (_Dest, keyed by the rank from D's handshake). A registration carries
+an attempt number and only a rank's newest attempt is ever written (older ones get PushFail). Whichever arrives
+second triggers one WRITE of the heads that D rank takes from this P rank (heads.py; none: the part ends
+silently), carrying a PushDone, which NIXL delivers after the data. P's blocks are handed back
+(finished_sends) when every D rank's part is over (D's TP size comes from its handshake), never while a WRITE
+is in flight; a failed part refuses the other D ranks at once (the request cannot run on D) and the blocks go
+as soon as nothing is in flight.
 
 P's scheduler half says at arrival which transfer ids P will produce (StepMeta.expected) and which of those
 ended without a prefill to hand over (StepMeta.abandoned: aborted while queued or running). A registration
@@ -13,8 +17,9 @@ the request is abandoned (an abandoned transfer id is remembered: a later regist
 
 Timeouts: a registration for a transfer P does not expect (its prefill leg never arrived, or is not here
 yet) and without a finished prefill after push_registration_timeout_s is dropped (PushFail tells D, whose
-blocks are then safe); a finished prefill without a registration after lease_s is freed ("expired"). D's
-PushCancel is answered with PushCancelAck once nothing more can land for that attempt.
+blocks are then safe); a finished prefill that not every D rank registered for after lease_s is freed
+("expired"). A D rank's PushCancel is answered with PushCancelAck once nothing more can land in that rank's
+blocks for that attempt. Keepalives (PushQueued), cancels and PushFail are all per D rank.
 """
 
 from __future__ import annotations
