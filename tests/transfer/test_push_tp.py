@@ -172,6 +172,8 @@ def test_write_in_flight_holds_the_blocks_after_another_rank_fails() -> None:
     f.posts[1].state = XferState.ERR
     side.progress(0.0)
     assert f.sends == []  # D rank 0's WRITE still reads P's blocks: keep them
+    side.on_register("d-r1", PushRegister("t", 1, "d", [5, 6], BLOCK, 0, 6, 1, 1000), 0.0)  # a retry: refused
+    assert len(f.to("d-r1", PushFail)) == 2 and len(f.posts) == 2
     f.posts[0].state = XferState.DONE
     side.progress(0.0)
     assert f.sends == [("p1", SendOutcome.FAILED)]

@@ -241,6 +241,9 @@ class SendSide:
             if r.is_empty and not r.dests:
                 del self.rv[tid]
             return
+        if r.outcome is not SendOutcome.OK:  # failed or released, a WRITE to another D rank still in flight
+            self._fail(peer, tid, msg.attempt, r.error)
+            return
         r.num_dests = peer.info.tp_size
         x = r.dest(d_rank)
         if x.ended is not None:
