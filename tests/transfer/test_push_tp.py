@@ -2,22 +2,25 @@
 and result sink, so every per-D-rank path runs in milliseconds: each D rank's registration gets its own WRITE
 (the heads it takes from this P rank) with its own PushDone; cancels, PushQueued keepalives, PushFail and
 abandoned transfers go to the D rank they concern; P's blocks are freed only when every D rank's part is over.
-tiny model: 2 KV heads; P is TP 1 (holds both), D is TP 2 (one head per rank)."""
+And D's side (push_recv.RecvSide) when one of two producer ranks dies. tiny model: 2 KV heads; P is TP 1
+(holds both), D is TP 2 (one head per rank); for D's side, P TP 2 -> D TP 1."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
 
 from pdserve.config import TransferConfig
-from pdserve.transfer.base import KVCacheSpec, SendTask
+from pdserve.transfer.base import KVCacheSpec, RecvTask, SendTask
 from pdserve.transfer.layout import BlockLayout
+from pdserve.transfer.params import PushSource
 from pdserve.transfer.thread.agent import Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.peers import Peer
+from pdserve.transfer.thread.push_recv import RecvSide
 from pdserve.transfer.thread.push_send import SendSide
 from pdserve.transfer.thread.results import SendOutcome
 from pdserve.transfer.wire import (
@@ -188,3 +191,60 @@ def test_a_d_rank_that_never_registers_expires_the_send() -> None:
     assert f.sends == []
     f.run_timers(1e12)  # lease_s passes
     assert f.sends == [("p1", SendOutcome.EXPIRED)]
+
+
+# ---- D's side: a D rank written by two P ranks (P TP 2 -> D TP 1), one of which dies ---------------------------
+
+
+@dataclass
+class RecvFakes(Fakes):
+    on_dead: list[Any] = field(default_factory=list)
+    ends: list[tuple[str, str]] = field(default_factory=list)  # (request id, "failed: reason" | "cancelled" | ...)
+
+    def connect_ranks(self, host: str, port: int, engine_id: str | None, load: bool, cb: Any) -> None:
+        cb({rank: self.peers[f"p-r{rank}"] for rank in (0, 1)}, None)
+
+    def probe(self, host: str, port: int, peer: Peer, cb: Any) -> None:
+        cb(True)
+
+    def recv_failed(self, rid: str, reason: str) -> None:
+        self.ends.append((rid, f"failed: {reason}"))
+
+    def recv_cancelled(self, rid: str) -> None:
+        self.ends.append((rid, "cancelled"))
+
+    def recv_finished(self, rid: str, num_bytes: int, seconds: float | None) -> None:
+        self.ends.append((rid, "finished"))
+
+
+def _recv_side() -> tuple[RecvSide, RecvFakes]:
+    f = RecvFakes()
+    for rank in (0, 1):
+        info = replace(_info(rank, 2), engine_id="p", agent_name=f"p-r{rank}")
+        f.peers[info.agent_name] = Peer(info, BlockLayout(1 << 40, LAYERS, BLOCKS, BLOCK, info.token_bytes, 0, 1))
+    spec = KVCacheSpec(1 << 30, LAYERS, BLOCKS, BLOCK, HEADS, HEAD_DIM, ELEM, "DRAM", 0, "m", "float32")
+    cfg = TransferConfig(role="decode", mode="push")
+    local = replace(_info(0, 1), engine_id="d")
+    ctx = TransferContext(cfg, spec, BlockLayout.from_spec(spec), cast(Any, f), local, cast(Any, None),
+                          cast(Any, f), cast(Any, f), cast(Any, f))  # fmt: skip
+    side = RecvSide(ctx)
+    side.on_recv(RecvTask("r1", (1, 2), 0, 6, PushSource("t", "127.0.0.1", 5600, "p")), 0.0)
+    assert {n for n, m in f.notifs if isinstance(m, PushRegister)} == {"p-r0", "p-r1"}
+    return side, f
+
+
+def test_a_dead_p_rank_ends_the_recv_only_once_the_other_producers_write_is_over() -> None:
+    side, f = _recv_side()
+    for cb in f.on_dead:
+        cb(f.peers["p-r1"])  # P rank 1 dies; P rank 0's WRITE may still land
+    assert f.ends == [] and f.to("p-r0", PushCancel) != []
+    side.on_ack(PushCancelAck("t", 0, 0, False))
+    assert len(f.ends) == 1 and f.ends[0][1].startswith("failed:") and "(rank 1) is gone" in f.ends[0][1]
+
+
+def test_a_dead_p_rank_after_the_others_landed_ends_the_recv_at_once() -> None:
+    side, f = _recv_side()
+    side.on_done(PushDone("t", 0, 0, 2, 100))
+    for cb in f.on_dead:
+        cb(f.peers["p-r1"])
+    assert len(f.ends) == 1 and "(rank 1) is gone" in f.ends[0][1]
