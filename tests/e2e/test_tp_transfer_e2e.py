@@ -74,23 +74,26 @@ def _rank_pid(engine: Proc, rank: int) -> int:
     return ranks[rank - 1]
 
 
-@pytest.mark.parametrize("killed", ["p", "d"])
-def test_rank_killed_mid_push(fresh_launcher: Launcher, tiny_llama: Path, killed: str) -> None:
-    """P TP 2 -> D TP 2 (push), P holding the finished prefill back 4 s so both D ranks have registered: rank 1
-    of P or of D is SIGKILLed meanwhile. The request fails with an error naming the rank within seconds (no
-    hang), and the other instance frees every block."""
-    common = ("--kv-transfer", "push", "--tensor-parallel-size", "2")
+@pytest.mark.parametrize(("mode", "killed"), [("push", "p"), ("push", "d"), ("pull", "p"), ("pull", "d")])
+def test_rank_killed_mid_transfer(fresh_launcher: Launcher, tiny_llama: Path, mode: str, killed: str) -> None:
+    """P TP 2 -> D TP 2 with the transfer held in flight 4 s (push: P holds the finished prefill back, both D
+    ranks registered; pull: D holds its READs back, P's blocks pinned): rank 1 of P or of D is SIGKILLed
+    meanwhile. The request fails with an error naming the rank within seconds (no hang), and the other
+    instance frees every block."""
+    common = ("--kv-transfer", mode, "--tensor-parallel-size", "2")
+    held = {"push": ("p", Faults(delay_send_ready_s=4.0)), "pull": ("d", Faults(delay_read_s=4.0))}[mode]
     p = fresh_launcher.serve(tiny_llama, "--kv-role", "prefill", *common, name="p",
-                             faults=Faults(delay_send_ready_s=4.0))  # fmt: skip
-    d = fresh_launcher.serve(tiny_llama, "--kv-role", "decode", *common, name="d")
+                             faults=held[1] if held[0] == "p" else None)  # fmt: skip
+    d = fresh_launcher.serve(tiny_llama, "--kv-role", "decode", *common, name="d",
+                             faults=held[1] if held[0] == "d" else None)  # fmt: skip
     fresh_launcher.wait_ready()
-    router = fresh_launcher.proxy("push", [p], [d])
+    router = fresh_launcher.proxy(mode, [p], [d])
     fresh_launcher.wait_ready()
     victim, survivor = (p, d) if killed == "p" else (d, p)
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         answer = pool.submit(post, router.url, "/v1/completions", BODY, {"X-Request-Id": "tp-kill"})
-        time.sleep(2.0)  # prefilled and registered; P's hand-over is still held back
+        time.sleep(2.0)  # prefilled (and, push, registered); the transfer is still held back
         os.kill(_rank_pid(victim, 1), signal.SIGKILL)
         got = answer.result(timeout=30)
     assert time.monotonic() - started < 20
