@@ -2,6 +2,7 @@
 colocated TP 1 instance token for token, in both modes, for P TP 2 -> D TP 1, P TP 1 -> D TP 2 and
 P TP 2 -> D TP 2; afterwards every block is free, and D's timeline shows exactly one confirmation
 (pull: PullReleaseAck) per (D rank, P rank), or one PushDone per P rank holding the D rank's heads (push).
+A rank of P or D SIGKILLed mid-transfer fails the request within seconds and the other instance frees its blocks.
 tiny llama has 2 KV heads: at TP 2 each rank holds one."""
 
 from __future__ import annotations
