@@ -144,11 +144,3 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-
-    def __post_init__(self) -> None:
-        tp = self.parallel.tensor_parallel_size
-        if tp > 1 and self.transfer.role == "decode" and self.transfer.mode == "push":
-            raise ConfigError(
-                f"kv role decode in push mode with tensor_parallel_size {tp}: a push decode instance runs one rank "
-                "for now (a prefill rank takes one registration per transfer); use pull mode, or TP 1 on decode"
-            )

@@ -52,6 +52,10 @@ class TPWorker(ConnectorWorker):
         if not meta:
             return
         self.merger.see(meta)
+        self._send(meta)
+
+    def _send(self, meta: StepMeta) -> None:
+        """meta to every rank's worker (not seen by the merger: a follow-up's cancels are not the engine's)."""
         self.group.send_transfer(encode_meta(meta))
         self.local.submit(meta)
 
@@ -64,8 +68,8 @@ class TPWorker(ConnectorWorker):
         for rank, res in inbox:
             self.merger.add(rank, res)
         merged, followup = self.merger.take()
-        if followup:  # another rank's part of these recvs failed: the others end theirs now
-            self.submit(followup)
+        if followup:  # another rank's part of these recvs failed: the others end theirs now (reported failed)
+            self._send(followup)
         return merged
 
     def stats(self) -> TransferStats:

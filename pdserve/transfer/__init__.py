@@ -51,6 +51,8 @@ Push: D allocates at arrival, handshakes (P loads D's agent), sends PushRegister
 from its transfer thread. P's rendezvous pairs it with the finished prefill in either order; the second to
 arrive triggers one WRITE carrying PushDone; P reports finished_sends when the WRITE is over; D reports
 finished_recvs once every producer rank's PushDone arrived. Only the newest attempt of a transfer id is written.
+With TP, each D rank registers with every P rank, whose rendezvous keeps one part per D rank (its registration,
+WRITE, cancel, keepalive); P frees its blocks when every D rank's part is over.
 P's scheduler half announces each arriving request's transfer id (StepMeta.expected) and those that end
 without a prefill (StepMeta.abandoned): while P has the prefill queued or running it keeps D's registration
 and answers it with PushQueued (then every keepalive_ms), which restarts D's receive clock; an abandoned

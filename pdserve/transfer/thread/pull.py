@@ -340,9 +340,20 @@ class PullCore:
             names = {p.agent_name for p in rd.peers.values()}
             if peer.agent_name not in names or rd.state is ReadState.STAGING:
                 continue
-            if rd.state is ReadState.READING:
-                self._abort_reads(rd)  # best effort: the process that could write is gone
-            self._end(rid, rd, f"prefill instance {peer.engine_id} (rank {peer.info.tp_rank}) is gone")
+            dead = {r for r, p in rd.peers.items() if p.agent_name == peer.agent_name}
+            self._end_aborted(rid, rd, dead, f"prefill instance {peer.engine_id} (rank {peer.info.tp_rank}) is gone")
+
+    def _end_aborted(self, rid: str, rd: _Read, dead: set[int], error: str) -> None:
+        """End the read once none of its READs may still land: those from the dead P ranks cannot (their process
+        is gone; aborted best effort); one from a live P rank that NIXL cannot cancel keeps the blocks held."""
+        if self.reads.get(rid) is not rd:
+            return
+        if rd.state is ReadState.READING:
+            if not all(self.ctx.agent.abort(x) or r in dead for r, x in rd.xfers.items()):
+                self.ctx.thread.call_at(time.monotonic() + ABORT_RETRY_S,
+                                        lambda: self._end_aborted(rid, rd, dead, error))  # fmt: skip
+                return
+        self._end(rid, rd, error)
 
     def _end(self, rid: str, rd: _Read, error: str | None) -> None:
         """The recv is over and its blocks are safe: report it once, then free P's blocks on every rank."""

@@ -16,7 +16,8 @@ sends PushCancel and the recv ends only when, for every producer, P answered
 (PushCancelAck, PushDone or PushFail) or P is known dead (NIXL says disconnected, or P's side channel
 refuses or answers with another agent). A timed-out recv whose data landed after all is reported finished.
 
-The number of producers (PushDone to count) is P's tp_size from its handshake, never the request's params.
+The producers (PushDone to count) are the P ranks holding this rank's heads, from both sides' TP sizes and
+KV heads in P's handshake (heads.py), never the request's params; each rank of a TP instance waits on its own.
 Every wait ends: a silent P is declared dead by the heartbeats (peers.py) within peer_timeout_s, and a cancel
 P never answers is given up after recv_timeout_s (logged as an error: P is alive yet ignores us).
 """
@@ -250,12 +251,13 @@ class RecvSide:
         self._send_cancel(rid, w)
 
     def _send_cancel(self, rid: str, w: _Wait) -> None:
-        for peer in w.peers.values():  # every rank: a non-writer drops the registration it holds
+        for peer in list(w.peers.values()):  # every rank: a non-writer drops the registration it holds
             try:
                 self.ctx.agent.send_notif(peer.agent_name, encode(PushCancel(w.remote.transfer_id, w.task.attempt)))
             except PeerGone:
                 self._peer_dead(rid, w, peer)
-                return
+                if self.waits.get(rid) is not w:
+                    return
             except AgentError as e:
                 log.warning("push: cancel of %s not sent: %s", w.remote.transfer_id, e)
         self.ctx.thread.call_at(time.monotonic() + PROBE_AFTER_S, lambda: self._probe(rid, w))
@@ -300,9 +302,20 @@ class RecvSide:
                 self._peer_dead(rid, w, peer)
 
     def _peer_dead(self, rid: str, w: _Wait, peer: Peer) -> None:
+        """One rank of P is gone: nothing more lands from it. Another producer rank of P may still be writing
+        into this rank's blocks: the recv ends once each is over too (cancelled and answered, or dead)."""
         self.ctx.peers.forget(peer)
+        dead = {r for r, p in w.peers.items() if p.agent_name == peer.agent_name}
+        for r in dead:
+            del w.peers[r]
+        w.over_ranks |= dead & w.producers
         w.fail_reason = f"{w.fail_reason}; prefill instance {peer.engine_id} (rank {peer.info.tp_rank}) is gone"
-        self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
+        live = w.producers - w.done_ranks - w.over_ranks  # producer ranks whose WRITE may still land
+        if not live or w.state in (WaitState.HANDSHAKE, WaitState.DELAYED):
+            self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
+        elif w.state is WaitState.REGISTERED:
+            self._start_cancel(rid, w, CancelWhy.TIMEOUT, w.fail_reason)
+        # CANCELLING: the live producers' answers (or their deaths) end it
 
     def _end(self, rid: str, w: _Wait, kind: RecvEnd, reason: str) -> None:
         """Nothing more can land in this recv's blocks: report it, exactly once."""

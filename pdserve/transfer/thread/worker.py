@@ -201,10 +201,6 @@ class NixlWorker(ConnectorWorker):
         if err is not None:
             log.warning("refused a handshake: %s", err)
             return HandshakeReply(False, ctx.local, err)  # our info lets the peer word the error its way
-        if self.cfg.mode == "push" and msg.peer.tp_size > 1:
-            why = (f"push into a decode instance of TP {msg.peer.tp_size} is not built yet (a prefill rank takes one "
-                   "registration per transfer); use pull mode or TP 1 on decode")  # fmt: skip
-            return HandshakeReply(False, ctx.local, why)
         if msg.load_me:
             try:
                 await asyncio.wrap_future(self.thread.call(lambda: ctx.peers.accept(msg.peer)))
