@@ -144,3 +144,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        t = self.transfer
+        staged = t.kv_buffer_device == "cpu" and self.model.device.startswith("cuda")
+        if staged and self.parallel.tensor_parallel_size > 1 and t.mode == "pull" and t.role == "prefill":
+            # ranks >= 1 copy into their host mirror only when the step's transfer message reaches them, which
+            # can be after P answered: D could READ a stale mirror. Refused until that copy is ordered.
+            raise ConfigError(
+                "--kv-buffer-device cpu with --tensor-parallel-size > 1 is not supported for a pull prefill "
+                "instance yet (a rank's host mirror may be read before it is filled); use --kv-buffer-device device"
+            )

@@ -233,3 +233,20 @@ def test_every_family_tp2_logits_equal_tp1(tiny_family: str, tiny_model_dirs: di
         for a, b in zip(got[rank], expected[0], strict=True):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
             assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_staged_pull_prefill_with_tp_is_refused() -> None:
+    """A TP pull prefill staging through host memory could answer before ranks >= 1 filled their mirror."""
+    from pdserve.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig, TransferConfig
+
+    with pytest.raises(ConfigError, match="kv-buffer-device cpu with --tensor-parallel-size"):
+        EngineConfig(
+            model=ModelConfig(model="qwen3-0.6b", device="cuda"),
+            transfer=TransferConfig(role="prefill", mode="pull", kv_buffer_device="cpu"),
+            parallel=ParallelConfig(2),
+        )
+    EngineConfig(  # the same on a decode instance, or without staging, is fine
+        model=ModelConfig(model="qwen3-0.6b", device="cuda"),
+        transfer=TransferConfig(role="decode", mode="pull", kv_buffer_device="cpu"),
+        parallel=ParallelConfig(2),
+    )
