@@ -7,12 +7,16 @@
  * window > 0, else 0; no table entry outside that range is read (a windowed layer's older entries may be stale,
  * padded entries past the end are never touched). Query head h reads KV head h / (num_heads / num_kv_heads).
  * Softmax is online per block in float32: out = sum_p exp(s_p - m) v_p / sum_p exp(s_p - m),
- * s_p = scale * <q, k_p>. Work is split over (sequence, KV head) pairs with OpenMP.
+ * s_p = scale * <q, k_p>. Work is split over (sequence, KV head) pairs with OpenMP, on one thread when the
+ * step reads fewer than PARALLEL_MIN cached elements (a parallel region costs more than it saves there, and far
+ * more on a loaded machine, where the barrier waits for a descheduled thread).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define PARALLEL_MIN (1 << 18) /* elements of K read per step: batch 1 at 512 tokens x 3 heads x 64 reads 2^16.6 */
 
 int pdserve_paged_decode_abi(void) { return 1; } /* bump with any change to the signature below */
 
@@ -27,7 +31,9 @@ void pdserve_paged_decode_f32(const float *q,          /* [B, num_heads, head_di
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tasks = num_seqs * num_kv_heads;
-#pragma omp parallel
+    int64_t reads = 0; /* elements of K this step reads (an upper bound with windows) */
+    for (int64_t b = 0; b < num_seqs; b++) reads += context_lens[b] * num_kv_heads * head_dim;
+#pragma omp parallel if (reads >= PARALLEL_MIN)
     {
         /* per thread: scores [group, block_size], running max/sum [group], accumulators [group, head_dim] */
         float *buf = (float *)malloc(sizeof(float) * (size_t)(group * (block_size + head_dim + 2)));
