@@ -118,13 +118,16 @@ class DecoderLayer(nn.Module):
         cpu_kernel: bool = True,  # CPU decode rows through cpu_attention's kernel when it is built
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # one rotation over q and k heads together: half the small ops on the CPU
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         write_kv(layer_cache, k, v, ctx.slot_mapping)
         attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window, cpu_kernel)
         o = self._reduce(self.o_proj(attn.reshape(t, self.q_size)))
