@@ -5,6 +5,9 @@
 SmolLM2-135M's shape (9 query heads, 3 KV heads, head_dim 64, 30 layers of a block-major cache, 16-token
 blocks, float32), every sequence's blocks shuffled through the pool. One "step" is one decode attention call
 per layer (30 calls), as the engine makes; the two paths alternate round by round and the medians are printed.
+With --engine, whole decode steps of the engine (pdserve.LLM, built-in model) instead: `batch` requests with
+`context`-token prompts are prefilled, then engine.step() runs with the kernel and without it on alternate steps
+(bursts of other load on a shared machine then hit both alike); medians of the step times are printed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,31 @@ def step(q: torch.Tensor, views: list[torch.Tensor], ctx: AttentionContext, step
     return (time.perf_counter() - t) / steps * 1e3
 
 
+def engine_steps(bsz: int, context: int, steps: int, threads: int) -> None:
+    """Median engine decode-step time with and without the CPU kernel, alternating step by step."""
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", enable_prefix_caching=False, num_threads=threads)
+    eng, dec = llm.engine, llm.engine.runner.decoder
+    gen = torch.Generator().manual_seed(bsz)
+    for i in range(bsz):
+        prompt = torch.randint(100, 40000, (context,), generator=gen).tolist()
+        eng.add_request(f"r{i}", prompt, SamplingParams.greedy(steps + 2, ignore_eos=True))
+    while eng.scheduler.waiting or any(not r.output_token_ids for r in eng.scheduler.running):
+        eng.step()  # prefill everything first
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(steps):
+        dec.use_cpu_kernel = i % 2 == 0
+        t = time.perf_counter()
+        eng.step()
+        times[dec.use_cpu_kernel].append((time.perf_counter() - t) * 1e3)
+    old, new = statistics.median(times[False]), statistics.median(times[True])
+    print(
+        f"engine, batch {bsz}, {context}-token prompts, {threads} threads: decode step portable {old:.1f} ms, "
+        f"kernel {new:.1f} ms, {old / new:.2f}x"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
@@ -35,8 +63,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="steps timed per round")
+    ap.add_argument("--engine", action="store_true", help="whole engine decode steps (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.engine:
+        for bsz in (int(b) for b in args.batches.split(",")):
+            engine_steps(bsz, args.context, 2 * args.rounds * args.steps, args.threads)
+        return
     layers, bs, h, hkv, d = 30, 16, 9, 3, 64
     for bsz in (int(b) for b in args.batches.split(",")):
         nb = -(-args.context // bs)
