@@ -87,7 +87,10 @@ def load(path: Path) -> ctypes.CDLL | None:
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    path = build()
+    try:
+        path = build()
+    except OSError:  # the source is missing (an install without package data): the portable path serves
+        return None
     return None if path is None else load(path)
 
 
