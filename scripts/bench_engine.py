@@ -2,6 +2,8 @@
 
 Usage: .venv/bin/python scripts/bench_engine.py [--model smollm2-135m] [--input-len 512] [--output-len 64]
 Prints a table (TTFT at batch 1, decode tok/s at batch 1, end-to-end tok/s with 8 prompts) and writes JSON.
+pdserve runs twice per round: with its CPU decode kernel (model/cpu_attention.py) and with the portable
+gather-and-matmul attention (`portable` column), so the kernel's gain is a ratio taken in the same run.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def hf_generate_batched(model, prompts: list[list[int]], max_new: int) -> float:
     return time.perf_counter() - t0
 
 
-def ours(llm, prompts: list[list[int]], max_new: int) -> tuple[float, float]:
+def ours(llm, prompts: list[list[int]], max_new: int, kernel: bool = True) -> tuple[float, float]:
     from pdserve import SamplingParams
 
+    llm.engine.runner.decoder.use_cpu_kernel = kernel
     params = SamplingParams.greedy(max_new, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -80,26 +83,29 @@ def main() -> None:
     ours(llm, prompts(1), 4)  # warm-up both
     hf_generate(hf, prompts(1), 4)
     # Interleave the two engines and take medians: absolute times on a shared 2-core machine drift.
-    samples: dict[str, list[tuple[float, float]]] = {}
+    samples: dict[str, list[tuple[float, float, float]]] = {}  # metric -> (pdserve, portable, transformers)
+    n = args.output_len
     for _ in range(args.repeats):
         p1 = prompts(1)
-        ttft_o, tot_o = ours(llm, p1, args.output_len)
-        ttft_h, tot_h = hf_generate(hf, p1, args.output_len)
-        samples.setdefault("ttft_s_batch1", []).append((ttft_o, ttft_h))
+        ttft_o, tot_o = ours(llm, p1, n)
+        ttft_p, tot_p = ours(llm, p1, n, kernel=False)
+        ttft_h, tot_h = hf_generate(hf, p1, n)
+        samples.setdefault("ttft_s_batch1", []).append((ttft_o, ttft_p, ttft_h))
         samples.setdefault("decode_tok_s_batch1", []).append(
-            ((args.output_len - 1) / (tot_o - ttft_o), (args.output_len - 1) / (tot_h - ttft_h))
+            ((n - 1) / (tot_o - ttft_o), (n - 1) / (tot_p - ttft_p), (n - 1) / (tot_h - ttft_h))
         )
         pb = prompts(args.batch)
-        _, tot_o = ours(llm, pb, args.output_len)
-        tot_h = hf_generate_batched(hf, pb, args.output_len)
+        _, tot_o = ours(llm, pb, n)
+        _, tot_p = ours(llm, pb, n, kernel=False)
+        tot_h = hf_generate_batched(hf, pb, n)
         samples.setdefault(f"e2e_tok_s_batch{args.batch}", []).append(
-            (args.batch * args.output_len / tot_o, args.batch * args.output_len / tot_h)
+            (args.batch * n / tot_o, args.batch * n / tot_p, args.batch * n / tot_h)
         )
-    rows = {k: (statistics.median(o for o, _ in v), statistics.median(h for _, h in v)) for k, v in samples.items()}
-    print(f"{'metric':<24}{'pdserve':>12}{'transformers':>14}{'ratio':>8}")
-    for k, (o, h) in rows.items():
-        ratio = (h / o) if k.startswith("ttft") else (o / h)
-        print(f"{k:<24}{o:>12.3f}{h:>14.3f}{ratio:>8.2f}x")
+    rows = {k: tuple(statistics.median(s[i] for s in v) for i in range(3)) for k, v in samples.items()}
+    print(f"{'metric':<24}{'pdserve':>10}{'portable':>10}{'transformers':>14}{'vs portable':>13}{'vs transf.':>12}")
+    for k, (o, p, h) in rows.items():
+        faster = (lambda a, b: b / a) if k.startswith("ttft") else (lambda a, b: a / b)
+        print(f"{k:<24}{o:>10.3f}{p:>10.3f}{h:>14.3f}{faster(o, p):>12.2f}x{faster(o, h):>11.2f}x")
     import os
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -112,7 +118,8 @@ def main() -> None:
                 "output_len": args.output_len,
                 "repeats": args.repeats,
                 "threads": torch.get_num_threads(),
-                "rows": {k: {"pdserve": o, "transformers": h} for k, (o, h) in rows.items()},
+                "load_average": os.getloadavg(),
+                "rows": {k: {"pdserve": o, "pdserve_portable": p, "transformers": h} for k, (o, p, h) in rows.items()},
             },
             f,
             indent=1,

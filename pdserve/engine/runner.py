@@ -23,6 +23,7 @@ import torch
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.step_plan import Chunk, plan_of
+from pdserve.model import cpu_attention
 from pdserve.model.decoder import Decoder
 from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
 
@@ -46,6 +47,8 @@ class ModelRunner:
         self.device = device
         self.ranks = ranks
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps
+        if device.type == "cpu" and decoder.use_cpu_kernel:
+            cpu_attention.decode_kernel()  # build it now (seconds, once per machine), not in the first step
         use_cuda_graphs = use_cuda_graphs and not decoder.shard.is_parallel  # TP on CUDA: eager for now
         use_cuda_graphs = use_cuda_graphs and not decoder.arch.is_windowed  # windowed layers: portable attention
         if use_cuda_graphs and decoder.uses_fused_kernels(device):

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache (portable torch path: CPU and CUDA; CUDA fast path in cuda_attention.py).
+"""Attention over the paged KV cache (portable torch path: CPU and CUDA; CUDA fast path in cuda_attention.py,
+CPU decode kernel in cpu_attention.py).
 
 The batch description (AttentionContext) and the cache views (layer_view, write_kv) live in paged.py, which
 both attention paths import.
@@ -11,7 +12,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.paged import AttentionContext, gather_rows
+from pdserve.model import cpu_attention
+from pdserve.model.paged import AttentionContext, DecodeBatch, gather_rows
 
 
 @cache
@@ -36,6 +38,7 @@ def paged_attention(
     k: torch.Tensor | None = None,  # [T, num_kv_heads, head_dim]: this step's keys, lets CUDA skip the gather
     v: torch.Tensor | None = None,
     window: int | None = None,  # sliding window: keys a query sees, itself included; None = whole context
+    cpu_kernel: bool = True,  # False: CPU decode rows take the portable torch path (tests and benchmarks compare)
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached context; returns [T, num_heads, head_dim].
 
@@ -44,13 +47,14 @@ def paged_attention(
     layer's older blocks may have been freed and reused (engine/kv_groups.py), their table entries stale.
 
     On CUDA with k and v given (and Triton present), full-context layers dispatch to
-    cuda_attention.paged_attention_cuda; windowed layers take this portable path on every device.
+    cuda_attention.paged_attention_cuda; windowed layers take this portable path on every device. On the CPU
+    (float32, C compiler present) decode rows, windowed or not, take cpu_attention's in-place kernel.
     """
     if window is None and k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
         from pdserve.model.cuda_attention import paged_attention_cuda
 
         return paged_attention_cuda(q, k, v, layer_cache, ctx, scale)
-    all_decode = window is None and ctx.decode is not None and ctx.decode.rows_are_all
+    all_decode = ctx.decode is not None and ctx.decode.rows_are_all
     out = q if all_decode else torch.empty_like(q)  # an all-decode step returns the decode output directly
     num_heads, num_kv_heads = q.shape[1], layer_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -83,55 +87,69 @@ def paged_attention(
                 mask &= kpos > qpos - window
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[rows] = o[0].transpose(0, 1)
-    if ctx.decode is not None and window is not None:
-        _windowed_decode(q, k_cache, v_cache, ctx, scale, window, out)
-    elif ctx.decode is not None:
-        d = ctx.decode
-        bsz, hd, length = d.block_tables.shape[0], q.shape[2], d.max_context_len
-        flat = d.block_tables.flatten()
-        kb = k_cache.index_select(0, flat).view(bsz, -1, num_kv_heads, hd)[:, :length]  # [B, L, hkv, d]
-        vb = v_cache.index_select(0, flat).view(bsz, -1, num_kv_heads, hd)[:, :length]
-        qd = (q if d.rows_are_all else q.index_select(0, d.rows)).view(bsz, num_kv_heads, group, hd)
-        # matmul over permuted views: measured 2x (batch 8) to 60x (batch 1) faster than einsum on the CPU
-        scores = torch.matmul(qd, kb.permute(0, 2, 3, 1)) * scale  # [B, hkv, g, L]
-        if not d.is_uniform:
-            valid = torch.arange(length, device=q.device).unsqueeze(0) < d.context_lens.unsqueeze(1)
-            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        od = torch.matmul(probs, vb.transpose(1, 2)).reshape(bsz, num_heads, hd)  # [B, h, d]
-        if d.rows_are_all:
-            out = od
-        else:
-            out.index_copy_(0, d.rows, od)
+    d = ctx.decode
+    if d is None:
+        return out
+    qd = q if d.rows_are_all else q.index_select(0, d.rows)  # [B, num_heads, head_dim]
+    lib = cpu_attention.decode_kernel() if cpu_kernel and cpu_attention.fits(q, k_cache, v_cache) else None
+    if lib is not None:
+        od = cpu_attention.paged_decode(lib, qd, k_cache, v_cache, d, scale, window)
+    elif window is not None:
+        od = _windowed_decode(qd, k_cache, v_cache, d, bs, scale, window)
+    else:
+        od = _full_decode(qd, k_cache, v_cache, d, scale)
+    if d.rows_are_all:
+        return od
+    out.index_copy_(0, d.rows, od)
     return out
 
 
-def _windowed_decode(
-    q: torch.Tensor,  # [T, num_heads, head_dim]
+def _full_decode(
+    qd: torch.Tensor,  # [B, num_heads, head_dim]: the decode rows' queries
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided)
     v_cache: torch.Tensor,
-    ctx: AttentionContext,
+    d: DecodeBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Decode rows of a full-context layer, portable: gather every row's blocks, then two matmuls."""
+    (bsz, num_heads, hd), num_kv_heads, length = qd.shape, k_cache.shape[2], d.max_context_len
+    flat = d.block_tables.flatten()
+    kb = k_cache.index_select(0, flat).view(bsz, -1, num_kv_heads, hd)[:, :length]  # [B, L, hkv, d]
+    vb = v_cache.index_select(0, flat).view(bsz, -1, num_kv_heads, hd)[:, :length]
+    qg = qd.reshape(bsz, num_kv_heads, num_heads // num_kv_heads, hd)
+    # matmul over permuted views: measured 2x (batch 8) to 60x (batch 1) faster than einsum on the CPU
+    scores = torch.matmul(qg, kb.permute(0, 2, 3, 1)) * scale  # [B, hkv, g, L]
+    if not d.is_uniform:
+        valid = torch.arange(length, device=qd.device).unsqueeze(0) < d.context_lens.unsqueeze(1)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(qd.dtype)
+    return torch.matmul(probs, vb.transpose(1, 2)).reshape(bsz, num_heads, hd)  # [B, h, d]
+
+
+def _windowed_decode(
+    qd: torch.Tensor,  # [B, num_heads, head_dim]: the decode rows' queries
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided)
+    v_cache: torch.Tensor,
+    d: DecodeBatch,
+    bs: int,  # block size
     scale: float,
     window: int,
-    out: torch.Tensor,  # [T, num_heads, head_dim]: the decode rows are written here
-) -> None:
-    """Decode rows of a windowed layer: each reads only the ceil(window / block_size) + 1 table entries that can
-    hold its last `window` keys, whatever its context length (O(window) per token, and no stale entry read)."""
-    d = ctx.decode
-    assert d is not None
-    bs, (bsz, width) = ctx.block_size, d.block_tables.shape
-    num_heads, num_kv_heads, hd = q.shape[1], k_cache.shape[2], q.shape[2]
+) -> torch.Tensor:
+    """Decode rows of a windowed layer, portable: each reads only the ceil(window / block_size) + 1 table entries
+    that can hold its last `window` keys, whatever its context length (O(window) per token, and no stale entry
+    read). Returns [B, num_heads, head_dim]."""
+    bsz, width = d.block_tables.shape
+    num_heads, num_kv_heads, hd = qd.shape[1], k_cache.shape[2], qd.shape[2]
     nwin = -(-window // bs) + 1  # blocks a window can straddle
     lo = (d.context_lens - window).clamp(min=0)  # [B] first key position each row sees
-    idx = (lo // bs).unsqueeze(1) + torch.arange(nwin, device=q.device)  # [B, nwin] table entries
+    idx = (lo // bs).unsqueeze(1) + torch.arange(nwin, device=qd.device)  # [B, nwin] table entries
     table = d.block_tables.gather(1, idx.clamp(max=width - 1)).flatten()  # past the table: masked below
     kb = k_cache.index_select(0, table).view(bsz, nwin * bs, num_kv_heads, hd)  # [B, L, hkv, d]
     vb = v_cache.index_select(0, table).view(bsz, nwin * bs, num_kv_heads, hd)
-    kpos = (idx.unsqueeze(2) * bs + torch.arange(bs, device=q.device)).flatten(1)  # [B, L] key positions
+    kpos = (idx.unsqueeze(2) * bs + torch.arange(bs, device=qd.device)).flatten(1)  # [B, L] key positions
     valid = (kpos >= lo.unsqueeze(1)) & (kpos < d.context_lens.unsqueeze(1))
-    qd = q.index_select(0, d.rows).view(bsz, num_kv_heads, num_heads // num_kv_heads, hd)
-    scores = torch.matmul(qd, kb.permute(0, 2, 3, 1)) * scale  # [B, hkv, g, L]
+    qg = qd.reshape(bsz, num_kv_heads, num_heads // num_kv_heads, hd)
+    scores = torch.matmul(qg, kb.permute(0, 2, 3, 1)) * scale  # [B, hkv, g, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    od = torch.matmul(probs, vb.transpose(1, 2)).reshape(bsz, num_heads, hd)  # [B, h, d]
-    out.index_copy_(0, d.rows, od)
+    probs = torch.softmax(scores.float(), dim=-1).to(qd.dtype)
+    return torch.matmul(probs, vb.transpose(1, 2)).reshape(bsz, num_heads, hd)  # [B, h, d]

@@ -14,6 +14,10 @@ On CUDA (with Triton) forward() takes the fused path: add+RMSNorm, q/k-norm+rota
 as single Triton kernels (cuda_kernels.py), flash prefill and a paged-decode kernel (cuda_attention.py); the
 same weights and the same function, about 10 launches per layer instead of ~60. `Decoder.use_fused_kernels =
 False` forces the portable path (benchmarks compare the two).
+
+On the CPU (float32) decode rows read the paged cache in place through a small C kernel (cpu_attention.py,
+built on first use; the portable gather-and-matmul path when it cannot be built). `Decoder.use_cpu_kernel =
+False` forces the portable path there.
 """
 
 from __future__ import annotations
@@ -111,17 +115,21 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
         ctx: AttentionContext,
+        cpu_kernel: bool = True,  # CPU decode rows through cpu_attention's kernel when it is built
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # one rotation over q and k heads together: half the small ops on the CPU
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         write_kv(layer_cache, k, v, ctx.slot_mapping)
-        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window)
+        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window, cpu_kernel)
         o = self._reduce(self.o_proj(attn.reshape(t, self.q_size)))
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             x = x + o
@@ -200,6 +208,7 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         self.register_buffer("inv_freq_local", rope_inv_freq(arch, local=True), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
+        self.use_cpu_kernel = True  # on the CPU: decode attention through cpu_attention's C kernel
         self._rope_table: torch.Tensor | None = None  # fused path: cos/sin per position, built on first use
         self.gemv_max_rows = 0  # fused path: steps of at most this many rows use the Triton GEMV (set by
         # cuda_graphs.DecodeGraphs.capture where it measured faster than cuBLAS; 0 = never)
@@ -243,7 +252,7 @@ class Decoder(nn.Module):
         local = self._cos_sin(positions, self.inv_freq_local, x.dtype) if self.arch.local_rope_theta else None
         for layer, (cache, layer_ctx) in zip(self.decoder_layers, self._layer_caches(kv_cache, ctx), strict=True):
             c, s = local if layer.local_rope and local is not None else (cos, sin)
-            x = layer(x, c, s, cache, layer_ctx)
+            x = layer(x, c, s, cache, layer_ctx, self.use_cpu_kernel)
         return self.norm(x)
 
     @staticmethod

@@ -1,0 +1,153 @@
+"""Paged decode attention on the CPU that reads the block-major KV cache in place (csrc/paged_decode.c).
+
+The kernel is plain C with OpenMP, built with the system C compiler on first use (or ahead of time by `make
+install`: `python -m pdserve.model.cpu_attention`) into ~/.cache/pdserve/kernels/ (XDG_CACHE_HOME respected),
+one file per source, flags and CPU, and loaded through ctypes: no torch headers, no ninja. It links the
+libgomp torch already loaded, so it shares torch's OpenMP threads (torch.get_num_threads()).
+
+When there is no compiler, the build fails or the inputs do not fit (not float32, not on the CPU),
+`decode_kernel()` returns None and attention.py takes the portable gather-and-matmul path; both give the same
+tokens (tests/model/test_cpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pdserve.model.paged import DecodeBatch
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+ABI = 1  # pdserve_paged_decode_abi() of the source this module calls
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99")
+_i64, _f32p, _i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model name and feature flags (Linux), else the machine name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))]
+    return platform.machine() + "\n" + "\n".join(sorted(set(keep)))
+
+
+def library_path(cache_dir: Path | None = None) -> Path:
+    """Where the built kernel for this source, these flags and this CPU lives."""
+    root = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "kernels"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode())
+    return root / f"paged_decode-{key.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path | None = None, compiler: str | None = None) -> Path | None:
+    """Compile the kernel if it is not built yet; its path, or None when no compiler could build it.
+    Concurrent builders are safe: each writes a temporary file and renames it into place."""
+    out = library_path(cache_dir)
+    if out.exists():
+        return out
+    cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], check=True, capture_output=True)
+            os.replace(tmp_out, out)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out
+
+
+def load(path: Path) -> ctypes.CDLL | None:
+    """The kernel library at `path` with its argument types set, or None if it does not load or its ABI differs."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        if lib.pdserve_paged_decode_abi() != ABI:
+            return None
+    except (OSError, AttributeError):
+        return None
+    fn = lib.pdserve_paged_decode_f32
+    fn.argtypes = [_f32p, _f32p, _f32p, _i64, _i64, _i64, _i64p, _i64, _i64p]
+    fn.argtypes += [_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _f32p]
+    fn.restype = None
+    return lib
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        path = build()
+    except OSError:  # the source is missing (an install without package data): the portable path serves
+        return None
+    return None if path is None else load(path)
+
+
+def decode_kernel() -> ctypes.CDLL | None:
+    """The built kernel library, built on first call (None when it cannot be built: use the portable path)."""
+    return _library()
+
+
+def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel can read these tensors: float32 on the CPU, head_dim contiguous, K and V alike."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride(-1) == 1
+    )
+
+
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [B, num_heads, head_dim] float32: one query token per decode sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided layer view)
+    v_cache: torch.Tensor,
+    d: DecodeBatch,
+    scale: float,
+    window: int | None,  # keys a query sees, itself included; None = whole context
+) -> torch.Tensor:
+    """Attention of each decode row over its cached context: [B, num_heads, head_dim] (see the C source)."""
+    q = q.contiguous()
+    tables, lens = d.block_tables.contiguous(), d.context_lens.contiguous()
+    bsz, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    block_stride, row_stride, head_stride, _ = k_cache.stride()
+    lib.pdserve_paged_decode_f32(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_stride,
+        row_stride,
+        head_stride,
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        bsz,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        window or 0,
+        scale,
+        out.data_ptr(),
+    )
+    return out
+
+
+if __name__ == "__main__":  # `make install` builds ahead of time; a failure is not an error (portable path)
+    built = build()
+    print(f"pdserve CPU decode kernel: {built or 'not built (no C compiler): the portable path serves'}")
+    sys.exit(0)
