@@ -29,10 +29,13 @@ def _probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def _can_draw(probs: torch.Tensor) -> bool:
-    """What torch.multinomial needs: every probability finite and >= 0 (softmax and masking keep them >= 0),
-    and some mass. One device sync."""
-    return bool((torch.isfinite(probs).all() & (probs.sum() > 0)).item())
+def _drawable(probs: torch.Tensor, fallback: int) -> torch.Tensor:
+    """probs, or all mass on `fallback` when torch.multinomial could not draw from them (a non-finite entry or
+    no mass; softmax and masking keep them >= 0). Decided on the device: no sync beyond the draw's own."""
+    ok = torch.isfinite(probs).all() & (probs.sum() > 0)
+    one_hot = torch.zeros_like(probs)
+    one_hot[fallback] = 1.0
+    return torch.where(ok, probs, one_hot)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
@@ -46,10 +49,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
         if p.is_greedy:
             out.append(greedy[i])
             continue
-        probs = _probs(logits[i], p)
-        if not _can_draw(probs):
-            out.append(greedy[i])  # nan/inf logits: never raise inside the step
-            continue
+        probs = _drawable(_probs(logits[i], p), greedy[i])  # nan/inf logits draw the argmax, never raise
         gen = None
         if p.seed is not None:
             gen = torch.Generator(device=probs.device).manual_seed((p.seed * 1_000_003 + steps[i]) % 2**63)
