@@ -25,6 +25,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings (capped at 8192)
     seed: int = 0  # seed for dummy weights
     num_threads: int | None = None  # torch intra-op threads on the CPU; None = torch's default
+    enforce_eager: bool = False  # CUDA: never capture or replay decode graphs (engine/cuda_graphs.py)
 
     def __post_init__(self) -> None:
         if not self.model:

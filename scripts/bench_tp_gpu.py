@@ -2,10 +2,11 @@
 
     python scripts/bench_tp_gpu.py [--model qwen3-8b] [--tp 2] [--out tp.json]
 
-For each TP size: load the dummy bf16 model (the engine spawns N - 1 rank processes, NCCL), generate greedy
-tokens for a few prompts (compared across TP sizes: bf16 near-ties may flip a token late), then time decode
-at batch 1 and 8 (ms per token: (generate(1 + n) - generate(1)) / n) and one 8k-token prefill. Prints a table,
-writes JSON; asserts nothing about speed.
+Three engines in turn: TP 1, TP N with CUDA graphs, TP N eager (--enforce-eager). Each loads the dummy model
+(TP N spawns N - 1 rank processes, NCCL), generates greedy tokens for a few prompts (compared with TP 1: bf16
+near-ties may flip a token late; float32 is a strict check), then times decode at batch 1, 8 and 32 (ms per
+token: (generate(1 + n) - generate(1)) / n) and one 8k-token prefill. Prints a table, writes JSON; asserts
+nothing about speed.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ def timed(llm: LLM, prompts: list[list[int]], n: int) -> float:
     return time.perf_counter() - started
 
 
-def measure(model: str, tp: int, prompts: list[list[int]], dtype: str) -> dict:
+def measure(model: str, tp: int, prompts: list[list[int]], dtype: str, eager: bool) -> dict:
     llm = LLM(model, load_format="dummy", dtype=dtype, device="cuda", tensor_parallel_size=tp,
-              kv_cache_memory_gib=8, max_num_batched_tokens=8192, enable_prefix_caching=False)  # fmt: skip
+              kv_cache_memory_gib=8, max_num_batched_tokens=8192, enable_prefix_caching=False,
+              enforce_eager=eager)  # fmt: skip
     try:
         tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(32, ignore_eos=True))]
-        out: dict = {"tp": tp, "tokens": tokens, "decode_ms_per_token": {}}
-        for batch in (1, 8):
+        graphs = llm.engine.runner.graphs
+        out: dict = {"tp": tp, "cuda_graphs": graphs is not None, "tokens": tokens, "decode_ms_per_token": {}}
+        for batch in (1, 8, 32):
             ps = (prompts * 8)[:batch]
             n = 64
             base = statistics.median(timed(llm, ps, 1) for _ in range(3))
@@ -43,6 +46,7 @@ def measure(model: str, tp: int, prompts: list[list[int]], dtype: str) -> dict:
             out["decode_ms_per_token"][str(batch)] = round((full - base) / n * 1e3, 3)
         long = [[(i * 7919) % 30000 + 100 for i in range(8192)]]
         out["prefill_ms_8192"] = round(statistics.median(timed(llm, long, 1) for _ in range(3)) * 1e3, 2)
+        out["graph_replays"] = graphs.replays if graphs is not None else 0
         return out
     finally:
         llm.shutdown()
@@ -59,22 +63,23 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     prompts = [[(p * 131 + i * 17) % 30000 + 100 for i in range(64 + 32 * p)] for p in range(4)]
-    rows = [measure(a.model, 1, prompts, a.dtype), measure(a.model, a.tp, prompts, a.dtype)]
-    same = [x == y for x, y in zip(rows[0]["tokens"], rows[1]["tokens"], strict=True)]
-    first_diff = [
-        next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), None)
-        for x, y in zip(rows[0]["tokens"], rows[1]["tokens"], strict=True)
-    ]
-    print(f"\n{a.model}, {a.dtype}, dummy weights; greedy 32 tokens x 4 prompts, TP {a.tp} == TP 1: {same}"
-          f" (first differing token: {first_diff})")  # fmt: skip
-    print(f"{'tp':>3} {'decode b=1':>11} {'decode b=8':>11} {'prefill 8k':>11}")
+    rows = [measure(a.model, 1, prompts, a.dtype, False)]
+    rows += [measure(a.model, a.tp, prompts, a.dtype, False), measure(a.model, a.tp, prompts, a.dtype, True)]
+    for r in rows[1:]:
+        r["same_tokens_as_tp1"] = [x == y for x, y in zip(rows[0]["tokens"], r["tokens"], strict=True)]
+        r["first_diff"] = [
+            next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), None)
+            for x, y in zip(rows[0]["tokens"], r["tokens"], strict=True)
+        ]
+    print(f"\n{a.model}, {a.dtype}, dummy weights; greedy 32 tokens x 4 prompts")
+    print(f"{'tp':>3} {'graphs':>6} {'b=1 ms':>8} {'b=8 ms':>8} {'b=32 ms':>8} {'prefill 8k':>11}  same as TP 1")
     for r in rows:
         d = r["decode_ms_per_token"]
-        print(f"{r['tp']:3d} {d['1']:11.2f} {d['8']:11.2f} {r['prefill_ms_8192']:11.1f}")
+        print(f"{r['tp']:3d} {str(r['cuda_graphs']):>6} {d['1']:8.2f} {d['8']:8.2f} {d['32']:8.2f} "
+              f"{r['prefill_ms_8192']:11.1f}  {r.get('same_tokens_as_tp1', '')} {r.get('first_diff', '')}")  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"model": a.model, "date": time.strftime("%Y-%m-%d"), "same_tokens": same,
-                       "first_diff": first_diff,
+            json.dump({"model": a.model, "dtype": a.dtype, "date": time.strftime("%Y-%m-%d"),
                        "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, f, indent=1)  # fmt: skip
 
 

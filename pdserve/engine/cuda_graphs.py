@@ -17,11 +17,12 @@ read (the sampler syncs).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.step_plan import Chunk
 from pdserve.model.decoder import Decoder
 from pdserve.model.paged import AttentionContext, DecodeBatch
 
@@ -58,9 +59,10 @@ class DecodeGraphs:
         self._row_owner: list[str | None] = []  # request id whose block table row i of the staging buffer holds
         self._row_blocks: list[int] = []  # entries of that row already staged
         self.gemv_calibration: dict[int, float] = {}  # Decoder.gemv_max_rows -> ms of a one-row step
+        self.replays = 0  # steps run from a captured graph
         self.invalidate()
 
-    def can_run(self, chunks: list[ScheduledChunk]) -> bool:
+    def can_run(self, chunks: Sequence[Chunk]) -> bool:
         """All rows single-token, few enough rows, every block table narrow enough."""
         if not chunks or len(chunks) > self.max_rows:
             return False
@@ -133,8 +135,11 @@ class DecodeGraphs:
         self._row_owner = [None] * self.max_rows
         self._row_blocks = [0] * self.max_rows
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Replay the step for these chunks (can_run must hold); returns logits [len(chunks), vocab] float32."""
+    def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """Replay the step for these chunks (can_run must hold); returns logits [len(chunks), vocab] float32.
+
+        Chunks of rank 0 (ScheduledChunk) carry their request id, so a row still held by the same request
+        stages only its new blocks; a tensor-parallel rank's plan chunks carry none and stage whole rows."""
         n = len(chunks)
         rows = next(b for b in self.buckets if b >= n)
         r, bs = self.max_rows, self.block_size
@@ -142,7 +147,8 @@ class DecodeGraphs:
         pos = [c.start_pos for c in chunks]
         h[0:n] = [c.token_ids[0] for c in chunks]
         h[r : r + n] = pos
-        h[2 * r : 2 * r + n] = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, pos, strict=True)]
+        blocks = [c.block_tables[0] for c in chunks]  # one KV group (windowed models do not capture)
+        h[2 * r : 2 * r + n] = [b[p // bs] * bs + p % bs for b, p in zip(blocks, pos, strict=True)]
         h[2 * r + n : 3 * r] = -1
         h[3 * r : 3 * r + n] = [p + 1 for p in pos]
         h[3 * r + n : 4 * r] = 0
@@ -151,15 +157,23 @@ class DecodeGraphs:
         for i, c in enumerate(chunks):
             num_blocks = pos[i] // bs + 1
             start = written[i]
-            if owner[i] != c.request_id or start > num_blocks or tables[i, start - 1] != c.block_ids[start - 1]:
+            request_id = c.request_id if isinstance(c, ScheduledChunk) else None
+            ids = blocks[i]
+            if (
+                request_id is None
+                or owner[i] != request_id
+                or start > num_blocks
+                or tables[i, start - 1] != ids[start - 1]
+            ):
                 start = 0  # another request (or the same id with other blocks): stage the whole row
             if start < num_blocks:
-                tables[i, start:num_blocks] = c.block_ids[start:num_blocks]
-            owner[i], written[i] = c.request_id, num_blocks
+                tables[i, start:num_blocks] = ids[start:num_blocks]
+            owner[i], written[i] = request_id, num_blocks
         end = 4 * r + rows * self.width
         self._dev[:end].copy_(self._host[:end], non_blocking=True)
         graph, logits = self._graphs[rows]
         graph.replay()
+        self.replays += 1
         return logits[:n]
 
 

@@ -93,7 +93,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler, loaded.decoder.kv_groups
         )
-        self.runner = ModelRunner(loaded.decoder, kv_cache, device, ranks=self.ranks)
+        self.runner = ModelRunner(
+            loaded.decoder, kv_cache, device, use_cuda_graphs=not config.model.enforce_eager, ranks=self.ranks
+        )
         ports = tuple(self.kv_scheduler.info().get("side_channel_ports", ())) if tp > 1 else ()
         spec = kv_cache_spec(
             kv_cache, loaded.name, config.model.dtype, 0, tp, loaded.arch.num_kv_heads, ports, loaded.decoder.kv_groups

@@ -33,9 +33,10 @@ class LLM:
         num_threads: int | None = None,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model, dtype, device, load_format, max_model_len, seed, num_threads),  # type: ignore[arg-type]
+            model=ModelConfig(model, dtype, device, load_format, max_model_len, seed, num_threads, enforce_eager),  # type: ignore[arg-type]
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gib, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size),

@@ -8,9 +8,16 @@ them the step's plan (engine/step_plan.py) before running forward() on the same 
 forward() runs the same collectives. Rank 0 alone samples. Any failure of a tensor-parallel step is a
 TPGroupError: the ranks may no longer be in step, so the group is unusable from then on.
 
-On CUDA (fused decoder, TP 1) steps whose rows are all single-token decodes replay a captured CUDA graph
-(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. TP > 1 and models with sliding-window
-layers (their attention takes the portable path, model/attention.py) run eagerly on CUDA.
+On CUDA (fused decoder) steps whose rows are all single-token decodes replay a captured CUDA graph
+(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. Models with sliding-window layers
+(their attention takes the portable path, model/attention.py) run eagerly on CUDA.
+
+CUDA graphs with tensor parallelism: every rank captures the same buckets in the same order over its own KV
+slice, the NCCL collectives inside each captured step included (an eager warm-up creates the communicator
+first). Rank 0 captures after TPGroup.wait_ready() and the other ranks right after saying ready, so the
+captures' collectives meet. Whether a step replays a graph (and which bucket) is a function of the chunks
+alone (DecodeGraphs.can_run), and every rank gets the same chunks in the plan, so every rank replays the same
+graph or every rank runs eagerly; both paths go through step_logits().
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps
         if device.type == "cpu" and decoder.use_cpu_kernel:
             cpu_attention.decode_kernel()  # build it now (seconds, once per machine), not in the first step
-        use_cuda_graphs = use_cuda_graphs and not decoder.shard.is_parallel  # TP on CUDA: eager for now
         use_cuda_graphs = use_cuda_graphs and not decoder.arch.is_windowed  # windowed layers: portable attention
         if use_cuda_graphs and decoder.uses_fused_kernels(device):
             from pdserve.engine.cuda_graphs import DecodeGraphs, max_blocks_per_seq
@@ -61,19 +67,30 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         """Compute KV for every chunk's tokens and sample the next token of chunks that end a request's input."""
-        if self.graphs is not None:
-            if self.graphs.can_run(chunks):
-                return self._execute_graph(chunks)
-            self.graphs.invalidate()
         if self.ranks is None:
-            logits = self.forward(chunks)
+            logits = self.step_logits(chunks)
         else:
-            logits = self.ranks.run_step(plan_of(chunks, self.block_size), self.forward)
+            logits = self.ranks.run_step(plan_of(chunks, self.block_size), lambda _: self.step_logits(chunks))
         sampling = [c for c in chunks if c.sample]
         if logits is None:
             return {}
         tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
         return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def step_logits(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
+        """The step on this rank: a captured graph's replay when one fits, else forward(); logits [N, vocab] of
+        the N sampling chunks (chunk order), None when none samples. Every tensor-parallel rank calls it with
+        the same chunks and so takes the same path."""
+        if self.graphs is not None:
+            if self.graphs.can_run(chunks):
+                logits = self.graphs.run(chunks)  # [len(chunks), vocab] float32, row i = chunk i
+                rows = [i for i, c in enumerate(chunks) if c.sample]
+                if not rows:
+                    return None
+                return logits if len(rows) == len(chunks) else logits[rows]
+            self.graphs.invalidate()
+        return self.forward(chunks)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
@@ -85,18 +102,6 @@ class ModelRunner:
             return None
         rows = torch.tensor(sample_rows, device=self.device)
         return self.decoder.logits(hidden.index_select(0, rows))  # [N, vocab] float32
-
-    def _execute_graph(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
-        assert self.graphs is not None
-        logits = self.graphs.run(chunks)  # [len(chunks), vocab] float32, row i = chunk i
-        rows = [i for i, c in enumerate(chunks) if c.sample]
-        if not rows:
-            return {}
-        if len(rows) < len(chunks):
-            logits = logits[rows]
-        sampling = [chunks[i] for i in rows]
-        tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
-        return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
 
     def _prepare(
         self, chunks: Sequence[Chunk]

@@ -1,9 +1,10 @@
 """A tensor-parallel rank other than 0: a spawned process that runs the model on its shard, step by step.
 
 Life cycle (rank 0's engine/tp_group.py drives it): say hello (torch imported), join the process group,
-load this rank's shard and allocate its KV cache slice, say ready (with its block count), then run every
-STEP plan rank 0 sends until SHUTDOWN, rank 0's death, or an error. It owns no thread. It ignores SIGINT
-(rank 0 decides when ranks stop) and leaves when rank 0's process is gone, so no rank outlives its engine.
+load this rank's shard and allocate its KV cache slice, say ready (with its block count), build its model
+runner (on CUDA: capture decode graphs in step with rank 0, engine/runner.py), then run every STEP plan
+rank 0 sends until SHUTDOWN, rank 0's death, or an error. It owns no thread. It ignores SIGINT (rank 0
+decides when ranks stop) and leaves when rank 0's process is gone, so no rank outlives its engine.
 
 Status messages to rank 0 are msgpack maps {"v": STATUS_VERSION, "type": "hello" | "ready" | "error", ...}.
 """
@@ -132,11 +133,13 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
     kv_cache = allocate_kv_cache(
         loaded.arch, num_blocks, cfg.cache.block_size, dtype, torch.device(device), num_kv_heads
     )
-    runner = ModelRunner(loaded.decoder, kv_cache, torch.device(device))
     worker, side_port = _start_worker(spec, conn, kv_cache, loaded.name, loaded.arch.num_kv_heads,
                                       loaded.decoder.kv_groups)  # fmt: skip
     conn.send_bytes(encode_status("ready", num_blocks=num_blocks, side_port=side_port))
     try:
+        # after "ready": rank 0 builds its runner once every rank is ready, and CUDA graph captures
+        # (runner.py) run collectives that must meet rank 0's
+        runner = ModelRunner(loaded.decoder, kv_cache, torch.device(device), not cfg.model.enforce_eager)
         while True:
             data = _receive(conn, spec.parent_pid)
             if data is None:
@@ -149,7 +152,7 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
                 if worker is not None:
                     worker.submit(decode_meta(plan.payload))
                 continue
-            runner.forward(plan.chunks)
+            runner.step_logits(plan.chunks)
     finally:
         if worker is not None:
             worker.shutdown()  # its transfer thread and side channel (joined), then its NIXL agent

@@ -89,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prefill/decode; divided among tensor-parallel ranks)",
     )
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step eagerly (no captured decode graphs); slower, for comparison and debugging",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -221,6 +226,7 @@ def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> Engine
             max_model_len=args.max_model_len,
             seed=args.seed,
             num_threads=num_threads,
+            enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
