@@ -31,7 +31,7 @@ import torch.distributed as dist
 from pdserve.config import EngineConfig
 from pdserve.engine.step_plan import SHUTDOWN, Chunk, PlanKind, StepPlan, encode
 from pdserve.engine.tp_rank import RankSpec, decode_status, join_process_group, rank_device, run_rank
-from pdserve.model.parallel import ProcessGroupCollectives
+from pdserve.model.parallel import Collectives, collectives_for
 
 HELLO_TIMEOUT_S = 120.0  # a spawned rank imports torch (slow on a busy machine)
 READY_TIMEOUT_S = 1800.0  # a rank loads its shard of the checkpoint (large models: minutes)
@@ -70,7 +70,7 @@ class TPGroup:
             self.shutdown()
             raise
 
-    def connect(self) -> ProcessGroupCollectives:
+    def connect(self) -> Collectives:
         """Wait for every rank's hello and join the process group as rank 0."""
         self._wait_all("hello", HELLO_TIMEOUT_S)
         if dist.is_initialized():
@@ -82,7 +82,7 @@ class TPGroup:
             torch.cuda.set_device(device)  # NCCL binds rank 0 to this GPU
         join_process_group(device, 0, self.size, self.init_method)
         self._joined_group = True
-        return ProcessGroupCollectives(self.size)
+        return collectives_for(device, self.size, 0)
 
     def wait_ready(self, num_blocks: int) -> None:
         """Wait until every rank loaded its shard and allocated a KV cache of `num_blocks` blocks."""

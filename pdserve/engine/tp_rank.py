@@ -116,7 +116,7 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
     from pdserve.engine.runner import ModelRunner
     from pdserve.engine.step_plan import PlanKind, decode
     from pdserve.model.loader import TORCH_DTYPES, load_model
-    from pdserve.model.parallel import ProcessGroupCollectives
+    from pdserve.model.parallel import collectives_for
     from pdserve.transfer.ranks import decode_meta
 
     cfg = spec.config
@@ -125,7 +125,7 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
         torch.cuda.set_device(device)
     conn.send_bytes(encode_status("hello"))
     join_process_group(device, spec.rank, spec.size, spec.init_method)
-    comm = ProcessGroupCollectives(spec.size)
+    comm = collectives_for(device, spec.size, spec.rank)
     loaded = load_model(cfg.model, spec.size, spec.rank, comm, device)
     dtype = TORCH_DTYPES[cfg.model.dtype]
     num_kv_heads = loaded.decoder.shard.num_kv_heads
