@@ -120,41 +120,32 @@ class ProcessGroupCollectives:
 
 
 class NcclCollectives:
-    """CUDA: the decoder's collectives on a NCCL communicator of the instance's own (torch.cuda.nccl), launched
-    on the current stream, so a CUDA graph captures them like any kernel.
-
-    Why not the process group's NCCL: ProcessGroupNCCL tracks every collective for its watchdog and, before a
-    graph capture starts, waits for that tracking to drain; with its collectives captured inside the decode
-    graphs, the first TP 2 capture on an H200 pair hung (both ranks, no error) where eager steps ran. This
-    communicator has no watchdog and no timeout: a rank that dies mid-collective leaves the others inside the
-    kernel, so TPGroup's rank-exit watch is what fails the instance (engine/tp_group.py).
-
-    The process group is still used once, to hand rank 0's NCCL unique id to every rank. torch.cuda.nccl's
-    all_gather sizes its output by the calling process's own inputs (one), so all_gather_last is an all-reduce
-    of a zeroed [size, ..., n] buffer holding this rank's part (size x the bytes of a true gather; it only runs
-    on the logits of the sampled rows)."""
+    """CUDA: the decoder's collectives on an NCCL communicator of the instance's own (model/nccl.py), launched on
+    the current stream so that a CUDA graph captures them. The process group is used once, to hand rank 0's
+    NCCL unique id to every rank. all_gather_last is an all-reduce of a zeroed [size, ..., n] buffer holding
+    this rank's part (size x the bytes of a true gather; it runs only on the sampled rows' logits)."""
 
     def __init__(self, size: int, rank: int, device: torch.device) -> None:
-        import torch.cuda.nccl as nccl
         import torch.distributed as dist
 
+        from pdserve.model.nccl import NCCL_UNIQUE_ID_BYTES, NcclComm
+
         self.size, self.rank = size, rank
-        uid = torch.zeros(128, dtype=torch.uint8, device=device)  # NCCL_UNIQUE_ID_BYTES
+        uid = torch.zeros(NCCL_UNIQUE_ID_BYTES, dtype=torch.uint8, device=device)
         if rank == 0:
-            uid.copy_(torch.frombuffer(bytearray(nccl.unique_id()), dtype=torch.uint8))
+            uid.copy_(torch.frombuffer(bytearray(NcclComm.unique_id()), dtype=torch.uint8))
         dist.broadcast(uid, src=0)
-        self._comm = nccl.init_rank(size, bytes(uid.cpu().tolist()), rank)  # every rank joins here
-        self._nccl = nccl
+        self._comm = NcclComm(size, rank, bytes(uid.cpu().tolist()))  # every rank joins here
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        self._nccl.all_reduce([x], comms=[self._comm])
+        self._comm.all_reduce(x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros((self.size, *x.shape))
         out[self.rank].copy_(x)
-        self.all_reduce(out)
+        self._comm.all_reduce(out)
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
 
