@@ -9,8 +9,9 @@ forward() runs the same collectives. Rank 0 alone samples. Any failure of a tens
 TPGroupError: the ranks may no longer be in step, so the group is unusable from then on.
 
 On CUDA (fused decoder, TP 1) steps whose rows are all single-token decodes replay a captured CUDA graph
-(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. TP > 1 and models with sliding-window
-layers (their attention takes the portable path, model/attention.py) run eagerly on CUDA.
+(cuda_graphs.py), sliding-window models included (one context per KV group; a layer's window is fixed, so
+its captured decode kernel stays valid); everything else runs eagerly. Both give the same tokens. TP > 1
+runs eagerly on CUDA.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ class ModelRunner:
         if device.type == "cpu" and decoder.use_cpu_kernel:
             cpu_attention.decode_kernel()  # build it now (seconds, once per machine), not in the first step
         use_cuda_graphs = use_cuda_graphs and not decoder.shard.is_parallel  # TP on CUDA: eager for now
-        use_cuda_graphs = use_cuda_graphs and not decoder.arch.is_windowed  # windowed layers: portable attention
         if use_cuda_graphs and decoder.uses_fused_kernels(device):
             from pdserve.engine.cuda_graphs import DecodeGraphs, max_blocks_per_seq
 
