@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -218,9 +219,9 @@ def _act_mul_kernel(X, OUT, stride_x, stride_o, n, GELU: tl.constexpr, BLOCK: tl
     dt = OUT.dtype.element_ty
     g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
-    if GELU:  # tanh approximation, as F.gelu(approximate="tanh"); tanh(y) = 1 - 2 / (exp(2y) + 1)
+    if GELU:  # tanh approximation, computed as torch's CUDA kernel does (libdevice tanh = CUDA's tanhf)
         y = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (g + 0.044715 g^3)
-        s = _rnd(0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)), dt)
+        s = _rnd(0.5 * g * (1.0 + libdevice.tanh(y)), dt)
     else:
         s = _rnd(g / (1.0 + tl.exp(-g)), dt)
     tl.store(OUT + row * stride_o + cols, (s * u).to(dt), mask=mask)
