@@ -5,14 +5,18 @@ from Python that is several milliseconds of launch overhead per step, more than 
 batch. Captured once per bucket (1, 2, 4, 8, 16, 24, 32, 48, 64 rows), a step is one graph launch.
 
 Static inputs live in one int64 device buffer, filled each step by a single host->device copy from a pinned
-staging buffer: [input_ids | positions | slot_mapping | context_lens] (bucket-max rows each) followed by the
-block tables ([max_rows, max_blocks_per_seq], row-major). Padding rows of a bucket get slot -1 (their K/V is
-not stored) and context length 0 (their attention output is zero); their logits are ignored. Invariants:
-a row's block-table entries past ceil(context_len / block_size) are never read, so stale entries may stay;
-a row still owned by the same request keeps its staged entries and only new blocks are written (blocks of a
-running request never change; after an eager step, which is where a preempted request recomputes, the
-worker calls invalidate()); the pinned staging buffer is reused only after the previous step's logits were
-read (the sampler syncs).
+staging buffer: [input_ids | positions | context_lens | slot_mapping of each KV group] (bucket-max rows each)
+followed by the block tables ([max_rows, num_groups, max_blocks_per_seq], row-major: a bucket's rows are one
+prefix of the buffer). A model with several KV groups (model/kv_groups.py: sliding-window layers) gets one
+AttentionContext per group, each its own slots and a strided view of its tables. Padding rows of a bucket
+get slot -1 (their K/V is not stored) and context length 0 (their attention output is zero); their logits
+are ignored. Invariants: a row's block-table entries past ceil(context_len / block_size) are never read, nor
+(windowed group) those before the block holding its window's first key, so stale entries may stay; a
+layer's window is fixed, so the captured kernels' arguments stay valid; a row still owned by the same
+request keeps its staged entries and only new blocks are written (blocks of a running request never change,
+except that a windowed group's may turn STALE, never read; after an eager step, which is where a preempted
+request recomputes, the worker calls invalidate()); the pinned staging buffer is reused only after the
+previous step's logits were read (the sampler syncs).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class DecodeGraphs:
     def __init__(
         self,
         decoder: Decoder,
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, layers per block, 2, block_size, num_kv_heads, head_dim]
         max_blocks_per_seq: int,  # width of the static block tables; longer sequences run eagerly
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     ) -> None:
@@ -45,16 +49,19 @@ class DecodeGraphs:
         self.buckets = tuple(sorted(buckets))
         self.max_rows = self.buckets[-1]
         self.width = max_blocks_per_seq
+        self.num_groups = decoder.kv_groups.num_groups
         device = kv_cache.device
-        n = 4 * self.max_rows + self.max_rows * self.width
+        r, g = self.max_rows, self.num_groups
+        n = (3 + g) * r + r * g * self.width
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
-        r = self.max_rows
-        self._ids, self._pos, self._slots, self._lens = (self._dev[i * r : (i + 1) * r] for i in range(4))
-        self._tables = self._dev[4 * r :].view(r, self.width)
+        self._ids, self._pos, self._lens = (self._dev[i * r : (i + 1) * r] for i in range(3))
+        self._slots = self._dev[3 * r : (3 + g) * r].view(g, r)  # [groups, max_rows]
+        self._tables = self._dev[(3 + g) * r :].view(r, g, self.width)  # [max_rows, groups, width]
         self._rows = torch.arange(r, dtype=torch.int64, device=device)
-        self._tables_np = self._host_np[4 * r :].reshape(r, self.width)
+        self._slots_np = self._host_np[3 * r : (3 + g) * r].reshape(g, r)
+        self._tables_np = self._host_np[(3 + g) * r :].reshape(r, g, self.width)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, logits)
         self._row_owner: list[str | None] = []  # request id whose block table row i of the staging buffer holds
         self._row_blocks: list[int] = []  # entries of that row already staged
@@ -69,13 +76,21 @@ class DecodeGraphs:
         return all(len(c.token_ids) == 1 and c.start_pos // self.block_size < self.width for c in chunks)
 
     def _forward(self, rows: int) -> torch.Tensor:
-        decode = DecodeBatch(
-            rows=self._rows[:rows],
-            block_tables=self._tables[:rows],
-            context_lens=self._lens[:rows],
-            max_context_len=self.width * self.block_size,
-        )
-        ctx = AttentionContext(self._slots[:rows], [], decode, self.block_size)
+        ctxs = [
+            AttentionContext(
+                self._slots[g, :rows],
+                [],
+                DecodeBatch(
+                    rows=self._rows[:rows],
+                    block_tables=self._tables[:rows, g],  # [rows, width], row stride groups * width
+                    context_lens=self._lens[:rows],
+                    max_context_len=self.width * self.block_size,
+                ),
+                self.block_size,
+            )
+            for g in range(self.num_groups)
+        ]
+        ctx = ctxs[0] if self.num_groups == 1 else ctxs
         hidden = self.decoder(self._ids[:rows], self._pos[:rows], self.kv_cache, ctx)  # [rows, hidden]
         return self.decoder.logits(hidden)  # [rows, vocab] float32
 
@@ -85,9 +100,8 @@ class DecodeGraphs:
 
         Before that, for one row, times a captured step with cuBLAS and with the Triton GEMV and keeps the
         faster (Decoder.gemv_max_rows); the timings stay in gemv_calibration."""
-        r = self.max_rows
         self._host_np[:] = 0
-        self._host_np[2 * r : 3 * r] = -1  # slots: store nothing
+        self._slots_np[:] = -1  # store nothing
         self._dev.copy_(self._host)
         if 1 in self.buckets:
             self._calibrate_gemv()
@@ -142,39 +156,42 @@ class DecodeGraphs:
         stages only its new blocks; a tensor-parallel rank's plan chunks carry none and stage whole rows."""
         n = len(chunks)
         rows = next(b for b in self.buckets if b >= n)
-        r, bs = self.max_rows, self.block_size
+        r, bs, g = self.max_rows, self.block_size, self.num_groups
         h = self._host_np
         pos = [c.start_pos for c in chunks]
         h[0:n] = [c.token_ids[0] for c in chunks]
         h[r : r + n] = pos
-        blocks = [c.block_tables[0] for c in chunks]  # one KV group (windowed models do not capture)
-        h[2 * r : 2 * r + n] = [b[p // bs] * bs + p % bs for b, p in zip(blocks, pos, strict=True)]
-        h[2 * r + n : 3 * r] = -1
-        h[3 * r : 3 * r + n] = [p + 1 for p in pos]
-        h[3 * r + n : 4 * r] = 0
+        h[2 * r : 2 * r + n] = [p + 1 for p in pos]
+        h[2 * r + n : 3 * r] = 0
+        for group in range(g):
+            slots = self._slots_np[group]
+            slots[:n] = [c.block_tables[group][p // bs] * bs + p % bs for c, p in zip(chunks, pos, strict=True)]
+            slots[n:] = -1
         # block tables: a row keeps its request's entries between steps; only new blocks are staged
         owner, written, tables = self._row_owner, self._row_blocks, self._tables_np
         for i, c in enumerate(chunks):
             num_blocks = pos[i] // bs + 1
             start = written[i]
-            request_id = c.request_id if isinstance(c, ScheduledChunk) else None
-            ids = blocks[i]
-            if (
-                request_id is None
-                or owner[i] != request_id
-                or start > num_blocks
-                or tables[i, start - 1] != ids[start - 1]
-            ):
+            request_id = c.request_id if isinstance(c, ScheduledChunk) else None  # TP ranks' chunks: None
+            if request_id is None or owner[i] != request_id or start > num_blocks or self._changed(i, c, start - 1):
                 start = 0  # another request (or the same id with other blocks): stage the whole row
             if start < num_blocks:
-                tables[i, start:num_blocks] = ids[start:num_blocks]
+                for group in range(g):
+                    tables[i, group, start:num_blocks] = c.block_tables[group][start:num_blocks]
             owner[i], written[i] = request_id, num_blocks
-        end = 4 * r + rows * self.width
+        end = (3 + g) * r + rows * g * self.width
         self._dev[:end].copy_(self._host[:end], non_blocking=True)
         graph, logits = self._graphs[rows]
         graph.replay()
         self.replays += 1
         return logits[:n]
+
+    def _changed(self, row: int, chunk: Chunk, entry: int) -> bool:
+        """Whether the staged table entry `entry` of `row` (the last one staged) differs from the chunk's in
+        any group (a windowed group's entry that turned STALE counts: the row is staged again, harmlessly)."""
+        return entry >= 0 and any(
+            self._tables_np[row, group, entry] != table[entry] for group, table in enumerate(chunk.block_tables)
+        )
 
 
 def max_blocks_per_seq(kv_cache: torch.Tensor, max_position_embeddings: int) -> int:

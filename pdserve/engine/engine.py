@@ -94,7 +94,12 @@ class LLMEngine:
             config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler, loaded.decoder.kv_groups
         )
         self.runner = ModelRunner(
-            loaded.decoder, kv_cache, device, use_cuda_graphs=not config.model.enforce_eager, ranks=self.ranks
+            loaded.decoder,
+            kv_cache,
+            device,
+            use_cuda_graphs=not config.model.enforce_eager,
+            ranks=self.ranks,
+            max_model_len=self.max_model_len,
         )
         ports = tuple(self.kv_scheduler.info().get("side_channel_ports", ())) if tp > 1 else ()
         spec = kv_cache_spec(

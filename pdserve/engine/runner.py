@@ -9,15 +9,15 @@ forward() runs the same collectives. Rank 0 alone samples. Any failure of a tens
 TPGroupError: the ranks may no longer be in step, so the group is unusable from then on.
 
 On CUDA (fused decoder) steps whose rows are all single-token decodes replay a captured CUDA graph
-(cuda_graphs.py); everything else runs eagerly. Both give the same tokens. Models with sliding-window layers
-(their attention takes the portable path, model/attention.py) run eagerly on CUDA.
+(cuda_graphs.py), sliding-window models included (one context per KV group; a layer's window is fixed, so
+its captured decode kernel stays valid); everything else runs eagerly. Both give the same tokens.
 
 CUDA graphs with tensor parallelism: every rank captures the same buckets in the same order over its own KV
-slice, the NCCL collectives inside each captured step included (an eager warm-up creates the communicator
-first). Rank 0 captures after TPGroup.wait_ready() and the other ranks right after saying ready, so the
-captures' collectives meet. Whether a step replays a graph (and which bucket) is a function of the chunks
-alone (DecodeGraphs.can_run), and every rank gets the same chunks in the plan, so every rank replays the same
-graph or every rank runs eagerly; both paths go through step_logits().
+slice, the NCCL all-reduces inside each captured step included (model/nccl.py: a communicator of our own on
+the current stream). Rank 0 captures after TPGroup.wait_ready() and the other ranks right after saying ready,
+so the captures' collectives meet. Whether a step replays a graph (and which bucket) is a function of the
+chunks alone (DecodeGraphs.can_run), and every rank gets the same chunks in the plan, so every rank replays
+the same graph or every rank runs eagerly; both paths go through step_logits().
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class ModelRunner:
         device: torch.device,
         use_cuda_graphs: bool = True,
         ranks: TPGroup | None = None,  # rank 0 of a tensor-parallel instance: the other ranks
+        max_model_len: int | None = None,  # longest sequence served (sizes the graphs' block tables)
     ) -> None:
         self.decoder = decoder
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, num_kv_heads of this rank, head_dim]
@@ -56,11 +57,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps
         if device.type == "cpu" and decoder.use_cpu_kernel:
             cpu_attention.decode_kernel()  # build it now (seconds, once per machine), not in the first step
-        use_cuda_graphs = use_cuda_graphs and not decoder.arch.is_windowed  # windowed layers: portable attention
         if use_cuda_graphs and decoder.uses_fused_kernels(device):
             from pdserve.engine.cuda_graphs import DecodeGraphs, max_blocks_per_seq
 
-            width = max_blocks_per_seq(kv_cache, decoder.arch.max_position_embeddings)
+            width = max_blocks_per_seq(kv_cache, max_model_len or decoder.arch.max_position_embeddings)
             self.graphs = DecodeGraphs(decoder, kv_cache, width)
             self.graphs.capture()
 

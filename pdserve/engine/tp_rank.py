@@ -139,7 +139,13 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
     try:
         # after "ready": rank 0 builds its runner once every rank is ready, and CUDA graph captures
         # (runner.py) run collectives that must meet rank 0's
-        runner = ModelRunner(loaded.decoder, kv_cache, torch.device(device), not cfg.model.enforce_eager)
+        runner = ModelRunner(
+            loaded.decoder,
+            kv_cache,
+            torch.device(device),
+            not cfg.model.enforce_eager,
+            max_model_len=loaded.max_model_len,
+        )
         while True:
             data = _receive(conn, spec.parent_pid)
             if data is None:

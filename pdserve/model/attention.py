@@ -46,14 +46,15 @@ def paged_attention(
     sliding_window_overlay) and reads no block before the one holding key max(0, p - window + 1): a windowed
     layer's older blocks may have been freed and reused (engine/kv_groups.py), their table entries stale.
 
-    On CUDA with k and v given (and Triton present), full-context layers dispatch to
-    cuda_attention.paged_attention_cuda; windowed layers take this portable path on every device. On the CPU
-    (float32, C compiler present) decode rows, windowed or not, take cpu_attention's in-place kernel.
+    On CUDA with k and v given (and Triton present), every layer, windowed or not, dispatches to
+    cuda_attention.paged_attention_cuda (the same function: tiled flash prefill, a Triton decode kernel that
+    starts at the window). On the CPU (float32, C compiler present) decode rows, windowed or not, take
+    cpu_attention's in-place kernel; everything else takes the portable torch code below.
     """
-    if window is None and k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
+    if k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
         from pdserve.model.cuda_attention import paged_attention_cuda
 
-        return paged_attention_cuda(q, k, v, layer_cache, ctx, scale)
+        return paged_attention_cuda(q, k, v, layer_cache, ctx, scale, window)
     all_decode = ctx.decode is not None and ctx.decode.rows_are_all
     out = q if all_decode else torch.empty_like(q)  # an all-decode step returns the decode output directly
     num_heads, num_kv_heads = q.shape[1], layer_cache.shape[3]

@@ -1,15 +1,24 @@
 """Attention on CUDA: flash prefill through torch SDPA and a Triton paged-decode kernel (split-K).
 
-Same contract as attention.paged_attention (see attention.py for the cache layout), plus the fresh K/V of
-this step, so a prompt with nothing cached attends over them directly instead of gathering from the cache:
+Same contract as attention.paged_attention (see attention.py for the cache layout and the window's
+semantics), plus the fresh K/V of this step, so a prompt with nothing cached attends over them directly
+instead of gathering from the cache:
 
 - prefill span, nothing cached before it: SDPA (flash) causal over the fresh q/k/v, GQA native;
 - prefill span after cached tokens (chunked prefill, prefix-cache hit): gather the span's K/V from the
   cache, flash with a lower-right causal mask (query i of the chunk sees keys 0 .. offset + i);
+- windowed layer (sliding window W), prefill: K/V gathered only from the block holding the first key the
+  span's first query sees; queries in tiles of PREFILL_TILE rows, each over keys [tile_start - W + 1,
+  tile_end): flash causal where the tile's window reaches its first key, else an explicit [tile, tile + W)
+  band mask. Flash takes no band mask, and one mask over the whole prompt would be O(n^2);
 - decode rows: one Triton program per (sequence, kv head, split) reads the sequence's pages straight from
   the block table, keeps the group's query heads in one tile, and writes a partial softmax; a second kernel
-  merges the splits. Split count is a function of the batch size alone, so a captured CUDA graph stays valid.
+  merges the splits. With a window the splits share the last W keys only: pages before the one holding
+  key max(0, L - W) are never loaded (a windowed group's table entries there may be STALE, kv_groups.py).
+  Split count is a function of the batch size and the layer's window, never of the context lengths, so a
+  captured CUDA graph stays valid.
 
+The cache is addressed only through the layer view's strides (block, row, head; the head dim contiguous).
 Imported only on CUDA.
 """
 
@@ -25,11 +34,18 @@ from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, gath
 DECODE_BLOCK_N = 64  # tokens per inner tile of the decode kernel
 TARGET_PROGRAMS = 512  # decode programs to aim for (about 4 per multiprocessor on an H200)
 MAX_SPLITS = 32
+PREFILL_TILE = 1024  # query rows per windowed prefill tile: its band mask is [tile, tile + window - 1]
 
 
-def num_splits(batch_size: int, num_kv_heads: int) -> int:
-    """Splits of each sequence's context in the decode kernel: enough programs to fill the GPU."""
-    return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, batch_size * num_kv_heads)))
+NO_WINDOW = 1 << 30  # the kernel's window argument for a full-context layer (more keys than any context)
+
+
+def num_splits(batch_size: int, num_kv_heads: int, window: int | None = None) -> int:
+    """Splits of each sequence's context in the decode kernel: enough programs to fill the GPU, and for a
+    windowed layer no more than the window has BLOCK_N tiles. A function of the batch size and the layer
+    alone (never of the context lengths), so a captured CUDA graph stays valid."""
+    splits = max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, batch_size * num_kv_heads)))
+    return splits if window is None else max(1, min(splits, -(-window // DECODE_BLOCK_N)))
 
 
 @triton.jit
@@ -49,6 +65,7 @@ def _decode_partial_kernel(
     stride_kh,
     stride_bt,
     scale,
+    window,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -61,8 +78,9 @@ def _decode_partial_kernel(
     hkv = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(LENS + b)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * per_split
+    lo = tl.maximum(ctx - window, 0)  # first key this row sees: the splits share [lo, ctx) only
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + s * per_split  # pages before lo's are never loaded (a windowed table's entries there are STALE)
     end = tl.minimum(start + per_split, ctx)
     row = tl.load(ROWS + b)
     g = tl.arange(0, G_PAD)
@@ -131,14 +149,16 @@ def decode_attention(
     decode: DecodeBatch,
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim]: rows decode.rows are written
+    window: int | None = None,  # keys a query sees, itself included; None = the whole context
 ) -> None:
-    """Paged attention of one query token per sequence over its cached context (context_lens tokens)."""
+    """Paged attention of one query token per sequence over its cached context (context_lens tokens); with a
+    window, over the last `window` of them, reading no page before the one that holds the first."""
     bsz = decode.rows.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_cache, v_cache = layer_cache[0], layer_cache[1]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    splits = num_splits(bsz, num_kv_heads)
+    splits = num_splits(bsz, num_kv_heads, window)
     acc = torch.empty((bsz, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((bsz, num_heads, splits), dtype=torch.float32, device=q.device)
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and out.stride(-1) == 1
@@ -159,6 +179,7 @@ def decode_attention(
         k_cache.stride(2),
         decode.block_tables.stride(0),
         scale,
+        NO_WINDOW if window is None else window,
         NUM_SPLITS=splits,
         GROUP=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
@@ -196,6 +217,22 @@ def _flash_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def _band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Sliding-window attention of a query tile (q [1, h, nq, d]) over the keys that end with it (k, v
+    [1, hkv, nk, d]; the last query and the last key share a position): flash with a lower-right causal mask where
+    every query sees all of them, else an explicit band mask ([nq, nk], memory-efficient SDPA)."""
+    nq, nk = q.shape[2], k.shape[2]
+    if nk <= window:  # the last query's window reaches the first key: no band inside this tile
+        return _flash_lower_right(q, k, v, scale)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # the masked kernels take no GQA: repeat K/V over the group (one tile's worth)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    qpos = torch.arange(nq, device=q.device).unsqueeze(1) + (nk - nq)
+    kpos = torch.arange(nk, device=q.device).unsqueeze(0)
+    mask = (kpos <= qpos) & (kpos > qpos - window)  # [nq, nk]: query i sees (i - window, i], shifted
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], this step's keys (already rotated)
@@ -203,20 +240,39 @@ def prefill_attention(
     layer_cache: torch.Tensor,
     span: PrefillSpan,
     scale: float,
+    window: int | None = None,  # keys a query sees, itself included; None = the whole context
+    tile: int = PREFILL_TILE,  # query rows per windowed tile
 ) -> torch.Tensor:
-    """Attention of one prefill span; returns [num_query, num_heads, head_dim]."""
+    """Attention of one prefill span; returns [num_query, num_heads, head_dim].
+
+    With a window the span's K/V are gathered from the first block its first query sees (STALE entries before
+    it are never read) and the queries go in tiles of `tile` rows, each over the keys its window
+    reaches: O(num_query * window) work and memory, whatever the context length."""
     rows = slice(span.query_start, span.query_start + span.num_query)
     qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, nq, d]
     offset = span.context_len - span.num_query
+    bs = layer_cache.shape[2]
+    first = 0 if window is None else max(0, offset - window + 1) // bs * bs  # first key position gathered
     if offset == 0:
-        ks = k[rows].transpose(0, 1).unsqueeze(0)
-        vs = v[rows].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        ks, vs = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+        if window is None or span.num_query <= window:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
     else:
-        ks = gather_rows(layer_cache[0], span.block_table, span.context_len).transpose(0, 1).unsqueeze(0)
-        vs = gather_rows(layer_cache[1], span.block_table, span.context_len).transpose(0, 1).unsqueeze(0)
-        o = _flash_lower_right(qs, ks, vs, scale)
-    return o[0].transpose(0, 1)
+        table = span.block_table[first // bs :]
+        ks = gather_rows(layer_cache[0], table, span.context_len - first).transpose(0, 1).unsqueeze(0)
+        vs = gather_rows(layer_cache[1], table, span.context_len - first).transpose(0, 1).unsqueeze(0)
+        if window is None:
+            return _flash_lower_right(qs, ks, vs, scale)[0].transpose(0, 1)
+    assert window is not None
+    out = torch.empty(q[rows].shape, dtype=q.dtype, device=q.device)  # [nq, h, d]
+    for a in range(offset, span.context_len, tile):  # query positions [a, b) of this tile
+        b = min(a + tile, span.context_len)
+        k0 = max(first, a - window + 1) - first  # first key the tile's first query sees, as an index into ks
+        o = _band_attention(qs[:, :, a - offset : b - offset], ks[:, :, k0 : b - first], vs[:, :, k0 : b - first],
+                            window, scale)  # fmt: skip
+        out[a - offset : b - offset] = o[0].transpose(0, 1)
+    return out
 
 
 def paged_attention_cuda(
@@ -226,14 +282,17 @@ def paged_attention_cuda(
     layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (strided), new K/V written
     ctx: AttentionContext,
     scale: float,
+    window: int | None = None,  # keys a query sees, itself included; None = the whole context
 ) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's context; returns [T, num_heads, head_dim]."""
+    """Causal attention of every new token over its sequence's context (with a window: over the last `window`
+    keys, as attention.paged_attention); returns [T, num_heads, head_dim]."""
     t = q.shape[0]
     if ctx.decode is None and len(ctx.prefills) == 1 and ctx.prefills[0].num_query == t:
-        return prefill_attention(q, k, v, layer_cache, ctx.prefills[0], scale)  # the whole step is one prompt
+        return prefill_attention(q, k, v, layer_cache, ctx.prefills[0], scale, window)  # the step is one prompt
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for span in ctx.prefills:
-        out[span.query_start : span.query_start + span.num_query] = prefill_attention(q, k, v, layer_cache, span, scale)
+        rows = slice(span.query_start, span.query_start + span.num_query)
+        out[rows] = prefill_attention(q, k, v, layer_cache, span, scale, window)
     if ctx.decode is not None:
-        decode_attention(q, layer_cache, ctx.decode, scale, out)
+        decode_attention(q, layer_cache, ctx.decode, scale, out, window)
     return out

@@ -1,4 +1,5 @@
-"""Fused elementwise Triton kernels of the CUDA decoder: add+RMSNorm, q/k-norm+rotary+KV store, SiLU-and-mul.
+"""Fused elementwise Triton kernels of the CUDA decoder: add+RMSNorm, q/k-norm+rotary+KV store, SiLU- (or
+GELU-tanh-) and-mul.
 
 Each kernel replaces 5-15 small torch ops (one launch and one pass over memory instead of many), which is
 what batch-1 decode is made of once the matmuls are memory-bound. Arithmetic is float32 inside; every
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -210,14 +212,18 @@ def qkv_rope_store(
 
 
 @triton.jit
-def _silu_mul_kernel(X, OUT, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _act_mul_kernel(X, OUT, stride_x, stride_o, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     dt = OUT.dtype.element_ty
     g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
-    s = _rnd(g / (1.0 + tl.exp(-g)), dt)
+    if GELU:  # tanh approximation, computed as torch's CUDA kernel does (libdevice tanh = CUDA's tanhf)
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (g + 0.044715 g^3)
+        s = _rnd(0.5 * g * (1.0 + libdevice.tanh(y)), dt)
+    else:
+        s = _rnd(g / (1.0 + tl.exp(-g)), dt)
     tl.store(OUT + row * stride_o + cols, (s * u).to(dt), mask=mask)
 
 
@@ -258,13 +264,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     return out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2 * n] = (gate | up) -> silu(gate) * up [T, n]."""
+def act_and_mul(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """x [T, 2 * n] = (gate | up) -> act(gate) * up [T, n]; act is SiLU, or GELU-tanh (gemma) with gelu."""
     t, n2 = x.shape
     n = n2 // 2
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     block = min(4096, triton.next_power_of_2(n))
-    _silu_mul_kernel[(t, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4 if block <= 1024 else 8
+    _act_mul_kernel[(t, triton.cdiv(n, block))](
+        x, out, x.stride(0), out.stride(0), n, GELU=gelu, BLOCK=block, num_warps=4 if block <= 1024 else 8
     )
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * n] = (gate | up) -> silu(gate) * up [T, n]."""
+    return act_and_mul(x)

@@ -7,13 +7,14 @@ load, so every norm below is a plain RMSNorm), sandwich norms around attention a
 scale, query_pre_attn_scalar, a local rotary base for windowed layers and final logit softcapping. Weights are
 stored fused (qkv, gate_up) and loaded from Hugging Face names.
 
-Windowed layers take the portable attention path (attention.py) on every device; Gemma 3 takes the portable
-path throughout (the fused CUDA kernels know neither its norms nor its activation).
-
-On CUDA (with Triton) forward() takes the fused path: add+RMSNorm, q/k-norm+rotary+KV store and SiLU-and-mul
-as single Triton kernels (cuda_kernels.py), flash prefill and a paged-decode kernel (cuda_attention.py); the
-same weights and the same function, about 10 launches per layer instead of ~60. `Decoder.use_fused_kernels =
-False` forces the portable path (benchmarks compare the two).
+On CUDA (with Triton) forward() takes the fused path: add+RMSNorm, q/k-norm+rotary+KV store and SiLU- (or
+GELU-tanh-) and-mul as single Triton kernels (cuda_kernels.py), flash prefill and a paged-decode kernel
+(cuda_attention.py), windowed layers included (the kernels take the layer's window); the same weights and the
+same function, about 10 launches per layer instead of ~60. Gemma 3's deltas there: its sandwich norms are
+plain add+RMSNorm launches (the (1 + weight) is folded at load), GELU-tanh in the act-and-mul kernel, the
+local layers' rotary table, the embedding scale (embed()) and softcapping (logits()), both shared with the
+portable path. `Decoder.use_fused_kernels = False` forces the portable path (benchmarks compare the two);
+its attention still takes cuda_attention on CUDA.
 
 On the CPU (float32) decode rows read the paged cache in place through a small C kernel (cpu_attention.py,
 built on first use; the portable gather-and-matmul path when it cannot be built). `Decoder.use_cpu_kernel =
@@ -176,9 +177,20 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window)  # [T, num_heads, head_dim]
         x = self._reduce(linear(self.o_proj, attn.reshape(t, self.q_size)))
-        post = self.post_attention_layernorm
-        h, residual = ck.add_rmsnorm(x, residual, post.weight, post.eps)
-        return self._reduce(linear(self.down_proj, ck.silu_and_mul(linear(self.gate_up_proj, h)))), residual
+        post, pre_ff, post_ff = (
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        )
+        if pre_ff is None or post_ff is None:
+            h, residual = ck.add_rmsnorm(x, residual, post.weight, post.eps)
+            return self._reduce(linear(self.down_proj, ck.silu_and_mul(linear(self.gate_up_proj, h)))), residual
+        # gemma's sandwich: norm the attention output, add, norm into the MLP; its output leaves normed
+        h, residual = ck.add_rmsnorm(
+            ck.add_rmsnorm(x, None, post.weight, post.eps)[0], residual, pre_ff.weight, pre_ff.eps
+        )
+        mlp = self._reduce(linear(self.down_proj, ck.act_and_mul(linear(self.gate_up_proj, h), self.gelu)))
+        return ck.add_rmsnorm(mlp, None, post_ff.weight, post_ff.eps)[0], residual
 
 
 class Decoder(nn.Module):
@@ -209,7 +221,8 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq_local", rope_inv_freq(arch, local=True), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
         self.use_cpu_kernel = True  # on the CPU: decode attention through cpu_attention's C kernel
-        self._rope_table: torch.Tensor | None = None  # fused path: cos/sin per position, built on first use
+        # fused path: cos/sin per position (global rotary, gemma's local rotary), built on first use
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gemv_max_rows = 0  # fused path: steps of at most this many rows use the Triton GEMV (set by
         # cuda_graphs.DecodeGraphs.capture where it measured faster than cuBLAS; 0 = never)
 
@@ -219,14 +232,15 @@ class Decoder(nn.Module):
         return cast(list[DecoderLayer], list(self.layers))
 
     def uses_fused_kernels(self, device: torch.device) -> bool:
-        """Whether forward() on `device` takes the fused CUDA path (never for Gemma's norms and activation)."""
-        fusable = not self.arch.sandwich_norms and self.arch.hidden_act == "silu"
-        return fusable and self.use_fused_kernels and cuda_kernels_usable(device, self.arch.head_dim)
+        """Whether forward() on `device` takes the fused CUDA path: CUDA, Triton, a power-of-two head dim (every
+        family's deltas are in it, Gemma 3's included; windowed layers too)."""
+        return self.use_fused_kernels and cuda_kernels_usable(device, self.arch.head_dim)
 
     def reset_rope(self, device: torch.device) -> None:
         """Recompute the rotary buffers on `device` in float32 (after building on the meta device)."""
         self.inv_freq = rope_inv_freq(self.arch).to(device)
         self.inv_freq_local = rope_inv_freq(self.arch, local=True).to(device)
+        self._rope_tables = None
 
     def _layer_caches(
         self, kv_cache: torch.Tensor, ctx: AttentionContext | Sequence[AttentionContext]
@@ -272,12 +286,17 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         from pdserve.model.cuda_kernels import add_rmsnorm, rope_cos_sin
 
-        if self._rope_table is None or self._rope_table.device != input_ids.device:
-            self._rope_table = rope_cos_sin(self.inv_freq.to(input_ids.device), self.arch.max_position_embeddings)
+        if self._rope_tables is None or self._rope_tables[0].device != input_ids.device:
+            n = self.arch.max_position_embeddings
+            glob = rope_cos_sin(self.inv_freq.to(input_ids.device), n)
+            local = rope_cos_sin(self.inv_freq_local.to(input_ids.device), n) if self.arch.local_rope_theta else glob
+            self._rope_tables = (glob, local)
+        glob, local = self._rope_tables
         x, residual = self.embed(input_ids), None
         gemv = input_ids.shape[0] <= min(self.gemv_max_rows, 1)  # the GEMV kernel takes one row
         for layer, (cache, layer_ctx) in zip(self.decoder_layers, self._layer_caches(kv_cache, ctx), strict=True):
-            x, residual = layer.forward_fused(x, residual, positions, self._rope_table, cache, layer_ctx, gemv)
+            table = local if layer.local_rope else glob
+            x, residual = layer.forward_fused(x, residual, positions, table, cache, layer_ctx, gemv)
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ def test_add_rmsnorm_and_silu_match_torch() -> None:
     g = torch.randn(5, 2 * 12288, device="cuda", dtype=BF16)
     ref = torch.nn.functional.silu(g[:, :12288]) * g[:, 12288:]
     assert (ck.silu_and_mul(g) != ref).float().mean() < 0.01
+    ref = torch.nn.functional.gelu(g[:, :12288], approximate="tanh") * g[:, 12288:]  # gemma's activation
+    assert (ck.act_and_mul(g, gelu=True) != ref).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
