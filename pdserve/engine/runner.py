@@ -75,6 +75,8 @@ class ModelRunner:
         if logits is None:
             return {}
         tokens = sample(logits, [c.params for c in sampling], [c.num_output_tokens for c in sampling])
+        if self.ranks is not None:
+            self.ranks.check()  # a rank died during the step: its collectives were aborted, the logits are junk
         return {c.request_id: t for c, t in zip(sampling, tokens, strict=True)}
 
     @torch.inference_mode()

@@ -4,7 +4,10 @@ Owned by LLMEngine. Life cycle, in this order (every wait has a deadline, and a 
 ends the wait at once):
   TPGroup(config)      spawns ranks 1..N-1 (multiprocessing spawn, engine/tp_rank.py), one pipe each;
   connect()            waits for every rank's hello, then joins the process group as rank 0 (gloo on the
-                       CPU, NCCL on CUDA) -> the collectives rank 0's decoder uses;
+                       CPU, NCCL on CUDA) -> the collectives rank 0's decoder uses; starts the watch
+                       thread ("pdserve-tp-watch", joined in shutdown()): the moment a rank process
+                       exits it marks the group broken and aborts rank 0's NCCL communicator, so a step
+                       waiting inside a collective for the dead rank returns (and raises TPGroupError);
   wait_ready(n)        waits until every rank loaded its shard; refuses a rank whose block count is not n;
   run_step(plan, f)    sends the step plan to every rank, then runs f (rank 0's forward pass) on it;
   shutdown()           sends SHUTDOWN, joins every rank (terminate, then kill, past the deadline), leaves
@@ -31,7 +34,7 @@ import torch.distributed as dist
 from pdserve.config import EngineConfig
 from pdserve.engine.step_plan import SHUTDOWN, Chunk, PlanKind, StepPlan, encode
 from pdserve.engine.tp_rank import RankSpec, decode_status, join_process_group, rank_device, run_rank
-from pdserve.model.parallel import Collectives, collectives_for
+from pdserve.model.parallel import NcclCollectives, ProcessGroupCollectives, collectives_for
 
 HELLO_TIMEOUT_S = 120.0  # a spawned rank imports torch (slow on a busy machine)
 READY_TIMEOUT_S = 1800.0  # a rank loads its shard of the checkpoint (large models: minutes)
@@ -55,7 +58,9 @@ class TPGroup:
         self._joined_group = False
         self.side_ports: tuple[int, ...] = ()  # ranks 1..N-1's side-channel ports (kv role prefill/decode)
         self._reader: threading.Thread | None = None  # reads ranks' transfer results (start_reader())
-        self._stop_reader = threading.Event()
+        self._stop_reader = threading.Event()  # also stops the watch thread
+        self._watch: threading.Thread | None = None  # sees a rank exit (connect())
+        self._comm: ProcessGroupCollectives | NcclCollectives | None = None
         ctx = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, self.size):
@@ -70,7 +75,7 @@ class TPGroup:
             self.shutdown()
             raise
 
-    def connect(self) -> Collectives:
+    def connect(self) -> ProcessGroupCollectives | NcclCollectives:
         """Wait for every rank's hello and join the process group as rank 0."""
         self._wait_all("hello", HELLO_TIMEOUT_S)
         if dist.is_initialized():
@@ -82,7 +87,10 @@ class TPGroup:
             torch.cuda.set_device(device)  # NCCL binds rank 0 to this GPU
         join_process_group(device, 0, self.size, self.init_method)
         self._joined_group = True
-        return collectives_for(device, self.size, 0)
+        self._comm = collectives_for(device, self.size, 0)
+        self._watch = threading.Thread(target=self._watch_ranks, name="pdserve-tp-watch", daemon=True)
+        self._watch.start()
+        return self._comm
 
     def wait_ready(self, num_blocks: int) -> None:
         """Wait until every rank loaded its shard and allocated a KV cache of `num_blocks` blocks."""
@@ -144,7 +152,9 @@ class TPGroup:
             data = encode(plan)
             for conn in self.conns:
                 conn.send_bytes(data)
-            return forward(plan.chunks)
+            out = forward(plan.chunks)
+            self.check()
+            return out
         except Exception as e:
             self.broken = self._describe_failure(e)
             raise TPGroupError(self.broken) from e
@@ -169,6 +179,9 @@ class TPGroup:
         if self._reader is not None:
             self._reader.join()
             self._reader = None
+        if self._watch is not None:
+            self._watch.join()
+            self._watch = None
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
@@ -176,7 +189,32 @@ class TPGroup:
             dist.destroy_process_group()
         self._joined_group = False
 
+    def check(self) -> None:
+        """Raise TPGroupError if the group broke (call after reading a step's results: an aborted collective
+        returns garbage without an error of its own)."""
+        if self.broken is not None:
+            raise TPGroupError(self.broken)
+
     # ---- helpers ----------------------------------------------------------------------------------------------
+    def _watch_ranks(self) -> None:
+        """The watch thread: wait for any rank process to exit; unless shutting down, break the group and abort
+        rank 0's collectives, which may be waiting on the dead rank inside a step."""
+        by_sentinel = {p.sentinel: (r, p) for r, p in enumerate(self.procs, start=1)}
+        while not self._stop_reader.is_set():
+            ready = wait(list(by_sentinel), timeout=0.5)
+            if not ready or self._stop_reader.is_set():
+                continue
+            sentinel = ready[0]
+            assert isinstance(sentinel, int)  # wait() returns the objects it was given: process sentinels
+            rank, proc = by_sentinel[sentinel]
+            proc.join(1.0)  # reap it, for its exit code
+            self.broken = (
+                self.broken or f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+            )
+            if self._comm is not None:
+                self._comm.abort()
+            return
+
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():

@@ -3,8 +3,10 @@
 Life cycle (rank 0's engine/tp_group.py drives it): say hello (torch imported), join the process group,
 load this rank's shard and allocate its KV cache slice, say ready (with its block count), build its model
 runner (on CUDA: capture decode graphs in step with rank 0, engine/runner.py), then run every STEP plan
-rank 0 sends until SHUTDOWN, rank 0's death, or an error. It owns no thread. It ignores SIGINT (rank 0
-decides when ranks stop) and leaves when rank 0's process is gone, so no rank outlives its engine.
+rank 0 sends until SHUTDOWN, rank 0's death, or an error. It ignores SIGINT (rank 0 decides when ranks stop)
+and leaves when rank 0's process is gone, so no rank outlives its engine: between steps its loop sees that;
+inside a step (a CUDA collective waiting for the dead rank 0 forever) its one thread, "pdserve-tp-parent",
+aborts the NCCL communicator and ends the process.
 
 Status messages to rank 0 are msgpack maps {"v": STATUS_VERSION, "type": "hello" | "ready" | "error", ...}.
 """
@@ -16,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -126,6 +129,7 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
     conn.send_bytes(encode_status("hello"))
     join_process_group(device, spec.rank, spec.size, spec.init_method)
     comm = collectives_for(device, spec.size, spec.rank)
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid, comm), name="pdserve-tp-parent", daemon=True).start()
     loaded = load_model(cfg.model, spec.size, spec.rank, comm, device)
     dtype = TORCH_DTYPES[cfg.model.dtype]
     num_kv_heads = loaded.decoder.shard.num_kv_heads
@@ -195,6 +199,16 @@ def _start_worker(
 
     worker.start(forward_results)
     return worker, side_port
+
+
+def _watch_parent(parent_pid: int, comm: Any) -> None:
+    """Until rank 0's process is gone; then abort this rank's collectives and leave (the main thread may be
+    inside a CUDA collective that would wait for rank 0 forever)."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    log.warning("rank 0 is gone; this rank aborts its collectives and leaves")
+    comm.abort()
+    os._exit(1)
 
 
 def _receive(conn: Connection, parent_pid: int) -> bytes | None:

@@ -7,8 +7,8 @@ ran. torch.cuda.nccl.init_rank would be the simple way, but fails on Python 3.12
 PY_SSIZE_T_CLEAN), so this binds libnccl (already loaded by torch's CUDA build) directly, as vLLM's pynccl does.
 An ncclAllReduce here is a kernel launch on the current stream: a graph captures it like any other kernel.
 
-No watchdog and no timeout: a rank that dies mid-collective leaves the others inside the kernel, so the
-instance is failed by TPGroup's rank-exit watch (engine/tp_group.py), not by this communicator.
+No watchdog and no timeout of its own: a rank that dies mid-collective leaves the others inside the kernel
+until TPGroup's rank-exit watch (engine/tp_group.py) sees the death and calls abort().
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_void_p,
     ]  # fmt: skip
     lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+    lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -75,10 +76,19 @@ class NcclComm:
         """Sum `x` (contiguous, on this rank's GPU) over the ranks, in place, on the current stream."""
         if not x.is_contiguous() or x.dtype not in _DTYPES:
             raise NcclError(f"all_reduce needs a contiguous tensor of a NCCL dtype, got {x.dtype} {tuple(x.stride())}")
+        if not self._comm.value:
+            raise NcclError("the NCCL communicator was aborted (a tensor-parallel rank died)")
         stream = torch.cuda.current_stream(x.device).cuda_stream
         ptr = x.data_ptr()
         result = self._lib.ncclAllReduce(ptr, ptr, x.numel(), _DTYPES[x.dtype], _SUM, self._comm, stream)
         self._check(result, "ncclAllReduce")
+
+    def abort(self) -> None:
+        """From any thread: end this rank's uncompleted collectives (a peer died), so whatever waits on them
+        returns; the communicator is unusable afterwards (every later all_reduce raises NcclError)."""
+        comm, self._comm = self._comm, ctypes.c_void_p()
+        if comm.value:
+            self._lib.ncclCommAbort(comm)
 
     def close(self) -> None:
         if self._comm.value:

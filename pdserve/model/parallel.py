@@ -112,6 +112,9 @@ class ProcessGroupCollectives:
         torch.distributed.all_reduce(x, group=self.group)
         return x
 
+    def abort(self) -> None:
+        """Nothing to do: gloo fails a collective on its own once a peer's socket closes."""
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
@@ -142,6 +145,10 @@ class NcclCollectives:
         self._comm.all_reduce(x)
         return x
 
+    def abort(self) -> None:
+        """A rank died: end this rank's pending collectives (model/nccl.py); later ones raise."""
+        self._comm.abort()
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros((self.size, *x.shape))
         out[self.rank].copy_(x)
@@ -149,7 +156,7 @@ class NcclCollectives:
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
 
-def collectives_for(device: str, size: int, rank: int) -> Collectives:
+def collectives_for(device: str, size: int, rank: int) -> ProcessGroupCollectives | NcclCollectives:
     """The decoder's collectives once this process joined the process group: NCCL of our own on CUDA, the
     process group (gloo) on the CPU."""
     if device.startswith("cuda"):

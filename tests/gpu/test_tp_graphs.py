@@ -4,6 +4,10 @@ cuBLAS without TF32, so only the ranks' partial sums round differently, which th
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +15,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.tp_group import TPGroupError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,3 +47,23 @@ def test_tp2_graphs_equal_eager_and_tp1(tiny_model_dirs: dict[str, Path], family
     assert replays > 0 and none == -1
     assert graphs == eager
     assert graphs == tp1
+
+
+def test_rank_killed_mid_decode_fails_fast(tiny_model_dirs: dict[str, Path]) -> None:
+    """Rank 1 killed while rank 0 replays decode graphs (and so waits inside NCCL all-reduces for it): the
+    watch thread aborts rank 0's communicator, generate() raises TPGroupError within seconds, not never."""
+    llm = LLM(str(tiny_model_dirs["qwen3"]), device="cuda", num_blocks=512, max_num_seqs=16, tensor_parallel_size=2)
+    try:
+        prompts = _prompts([5] * 16, seed=3)
+        llm.generate(prompts, SamplingParams.greedy(4))
+        assert llm.engine.ranks is not None
+        pid = llm.engine.ranks.procs[0].pid
+        assert pid is not None
+        threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(TPGroupError, match="rank 1"):
+            for _ in range(100):
+                llm.generate(prompts, SamplingParams.greedy(240, ignore_eos=True))
+        assert time.monotonic() - started < 20
+    finally:
+        llm.shutdown()
