@@ -85,9 +85,10 @@ class Netns:
         net = cls(secrets.token_hex(3), _free_subnet())
         try:
             net._add_namespace(net.switch)
+            _ip("netns", "exec", net.switch, "true")  # needs to mount /sys there, which some containers refuse
         except RuntimeError as e:
             net.close()
-            raise NetnsUnavailable(f"`ip netns add` failed: {e}") from None
+            raise NetnsUnavailable(f"`ip netns add` or `ip netns exec` failed: {e}") from None
         try:
             _ip("-n", net.switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", net.switch, "link", "set", "br0", "up")

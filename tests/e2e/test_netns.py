@@ -11,6 +11,7 @@ One P and one D per mode (an instance serves one mode) share the namespaces; all
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -125,6 +126,7 @@ def test_pd_across_namespaces(cluster: Cluster, mode: str) -> None:
     assert rx_bytes >= kv_bytes, (rx_bytes, kv_bytes)
 
 
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 def test_listeners_on_the_hosts_addresses_only(cluster: Cluster) -> None:
     """HTTP, the side channel and UCX listen on each host's own address, UCX within UCX_TCP_PORT_RANGE."""
     for host in ("p", "d"):
