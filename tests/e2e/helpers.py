@@ -9,6 +9,8 @@
         ...                                       # leaving the block stops them all (process groups)
 
 Each process runs in its own session (process group), so stopping it also stops anything it spawned.
+`prefix` runs a process through another program, e.g. `ip netns exec NS` (tests/e2e/netns.py); `host` is then
+the address it listens on, which the Launcher uses to reach it.
 Logs go to files; `dump_logs()` prints them, and the Launcher does so by itself when the block raises.
 """
 
@@ -52,10 +54,11 @@ class Proc:
     log_path: Path
     ready_statuses: tuple[int, ...] = (200,)  # /health answers that count as up
     is_ready: bool = False
+    host: str = "127.0.0.1"  # the address it listens on (its --host)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -106,11 +109,13 @@ class Launcher:
         port: int,
         ready_statuses: tuple[int, ...] = (200,),
         program: tuple[str, ...] = ("-m", "pdserve.cli"),
+        prefix: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
     ) -> Proc:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "wb") as log_file:
             popen = subprocess.Popen(
-                [sys.executable, *program, *argv],
+                [*prefix, sys.executable, *program, *argv],  # `ip netns exec` execs: the pid stays the leader
                 cwd=REPO_ROOT,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -118,24 +123,34 @@ class Launcher:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: stop() takes everything it spawned
             )
-        proc = Proc(name, argv, port, popen, log_path, ready_statuses)
+        proc = Proc(name, argv, port, popen, log_path, ready_statuses, host=host)
         self.procs.append(proc)
         return proc
 
-    def serve(self, model: str | Path, *args: str, name: str | None = None, faults: Faults | None = None) -> Proc:
+    def serve(
+        self,
+        model: str | Path,
+        *args: str,
+        name: str | None = None,
+        faults: Faults | None = None,
+        prefix: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ) -> Proc:
         """`pdserve serve MODEL` on a free port, free side-channel port, one torch thread, a small KV cache
-        (each overridable through `args`); with `faults`, through serve_with_faults.py (test-only faults)."""
-        port = free_port()
-        argv = [str(model), "--port", str(port)]
+        (each overridable through `args`); with `faults`, through serve_with_faults.py (test-only faults).
+        In another network namespace (`prefix`), pass its `host` address and a `port` (free there)."""
+        port = free_port() if port is None else port
+        argv = [str(model), "--host", host, "--port", str(port)]
         defaults = {"--kv-side-channel-port": "0", "--num-threads": "1", "--num-gpu-blocks": "128"}
         for flag, value in defaults.items():
             if flag not in args:
                 argv += [flag, value]
         argv += list(args)
         if faults is None:
-            return self.start(name or f"serve-{port}", ["serve", *argv], port)
+            return self.start(name or f"serve-{port}", ["serve", *argv], port, prefix=prefix, host=host)
         program = (str(Path(__file__).with_name("serve_with_faults.py")), faults.to_json())
-        return self.start(name or f"serve-{port}", argv, port, program=program)
+        return self.start(name or f"serve-{port}", argv, port, program=program, prefix=prefix, host=host)
 
     def proxy(
         self,
@@ -145,12 +160,17 @@ class Launcher:
         *args: str,
         name: str | None = None,
         ready_statuses: tuple[int, ...] = (200,),
+        prefix: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
+        port: int | None = None,
     ) -> Proc:
-        """`pdserve proxy` on a free port in front of `prefill` and `decode` (processes or URLs)."""
-        port = free_port()
+        """`pdserve proxy` on a free port in front of `prefill` and `decode` (processes or URLs); in another
+        network namespace as `serve` is."""
+        port = free_port() if port is None else port
         urls = lambda procs: [p.url if isinstance(p, Proc) else p for p in procs]  # noqa: E731
-        argv = ["proxy", "--mode", mode, "--port", str(port), "--prefill", *urls(prefill), "--decode", *urls(decode)]
-        return self.start(name or f"proxy-{port}", argv + list(args), port, ready_statuses)
+        argv = ["proxy", "--mode", mode, "--host", host, "--port", str(port)]
+        argv += ["--prefill", *urls(prefill), "--decode", *urls(decode)]
+        return self.start(name or f"proxy-{port}", argv + list(args), port, ready_statuses, prefix=prefix, host=host)
 
     def wait_ready(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
         """Block until every started process answers /health with one of its ready statuses; raises (with

@@ -9,7 +9,7 @@ import time
 import pytest
 from harness import Instance
 
-from pdserve.transfer.thread.netdev import interface_of, ucx_net_devices
+from pdserve.transfer.thread.netdev import advertised_address, interface_addresses, interface_of, ucx_net_devices
 
 
 def test_net_devices_choice() -> None:
@@ -19,6 +19,15 @@ def test_net_devices_choice() -> None:
     assert ucx_net_devices("127.0.0.1", "mlx5_0:1", {}) == "mlx5_0:1"  # --kv-net-devices wins
     assert ucx_net_devices("127.0.0.1", None, {"UCX_NET_DEVICES": "eth0"}) is None  # the operator's own
     assert ucx_net_devices("0.0.0.0", None, {}) is None  # wildcard: left alone (with a warning)
+
+
+def test_advertised_address() -> None:
+    assert advertised_address("10.1.2.3") == "10.1.2.3"  # a given address is what peers dial, as given
+    # a wildcard: an address of this host, never loopback where another exists (test_netns.py: in a namespace
+    # whose host name resolves to 127.0.0.1 and that has no default route)
+    local = [addr for _, addr in interface_addresses()]
+    others = [addr for addr in local if not addr.startswith("127.")]
+    assert advertised_address("0.0.0.0") in (others or ["127.0.0.1"])
 
 
 def tcp_listeners(pid: int) -> list[str]:

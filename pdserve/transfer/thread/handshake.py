@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from pdserve.auth import MAX_CLOCK_SKEW_S, ReplayGuard, Signer, new_nonce
+from pdserve.transfer.thread.netdev import advertised_address
 from pdserve.transfer.wire import MAX_MESSAGE_BYTES, Message, Refused, Sealed, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -104,16 +105,6 @@ async def write_frame(writer: asyncio.StreamWriter, msg: Message) -> None:
     await writer.drain()
 
 
-def wildcard_to_reachable(host: str) -> str:
-    """The address a peer should dial when we listen on a wildcard address."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 class SideChannel:
     def __init__(self, host: str, port: int, secret: bytes | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -126,7 +117,7 @@ class SideChannel:
             raise OSError(f"side channel cannot bind {host}:{port}: {e}") from None
         self._sock.listen(128)
         self._sock.setblocking(False)
-        self.host = wildcard_to_reachable(host)
+        self.host = advertised_address(host)  # what peers dial (and UCX's interface)
         self.port: int = self._sock.getsockname()[1]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -136,7 +136,8 @@ class NixlWorker(ConnectorWorker):
         stager = make_stager(self.cfg.kv_buffer_device, kv_cache, self.cfg.faults)
         if stager is not None:  # NIXL, the layout and the handshake see the mirror, never the cache itself
             kv_cache, spec = stager.mirror, stager.spec(spec)
-        restrict_ucx(self.cfg.side_channel_host, self.cfg.net_devices)  # UCX reads it when the agent is created
+        # the advertised address, not a wildcard bind: UCX listens where peers are told to dial (netdev.py)
+        restrict_ucx(self.side.host, self.cfg.net_devices)  # UCX reads it when the agent is created
         agent = NixlAgent(name, kv_cache, spec)
         local = local_peer_info(self.cfg, spec, agent, self.epoch)
         peers = Peers(agent, local, self.side, self.thread, self.cfg.heartbeat_s, self.cfg.peer_timeout_s)
