@@ -205,13 +205,14 @@ class Instance:
 
 
 def expected_kv(d_before: np.ndarray, p_kv: np.ndarray, d_blocks: list[int], p_blocks: list[int], start: int,
-                num_tokens: int) -> np.ndarray:  # fmt: skip
+                num_tokens: int, staged: bool = False) -> np.ndarray:  # fmt: skip
     """D's cache after tokens [start, start + num_tokens) were copied from P's blocks into D's; with equal block
-    sizes the last block is copied whole (layout.pad_last_blocks: its rows past the range are D's to overwrite)."""
+    sizes the last block is copied whole (layout.pad_last_blocks: its rows past the range are D's to overwrite),
+    unless D is staged (staging.py copies exactly the transferred tokens from its mirror into its cache)."""
     out = d_before.copy()
     dbs, pbs = d_before.shape[4], p_kv.shape[4]
     end = start + num_tokens
-    if dbs == pbs and num_tokens > 0:
+    if dbs == pbs and num_tokens > 0 and not staged:
         end = -(-end // dbs) * dbs
     for t in range(start, end):
         out[d_blocks[t // dbs], :, :, :, t % dbs] = p_kv[p_blocks[t // pbs], :, :, :, t % pbs]
