@@ -241,9 +241,9 @@ def descriptors(
         heads = Heads(0, 0, local.num_heads)
     if local.head_bytes != remote.head_bytes:
         raise LayoutError(f"head size differs: local {local.head_bytes} B, remote {remote.head_bytes} B")
-    for side, layout, first in (("local", local, heads.local), ("remote", remote, heads.remote)):
-        if not (heads.num >= 1 and 0 <= first and first + heads.num <= layout.num_heads):
-            raise LayoutError(f"{side} heads [{first}, {first + heads.num}) outside its {layout.num_heads} heads")
+    for side, layout, h0 in (("local", local, heads.local), ("remote", remote, heads.remote)):
+        if not (heads.num >= 1 and 0 <= h0 and h0 + heads.num <= layout.num_heads):
+            raise LayoutError(f"{side} heads [{h0}, {h0 + heads.num}) outside its {layout.num_heads} heads")
     if not segments:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()

@@ -247,7 +247,7 @@ class PullCore:
                 segs = group_segments(self.ctx.layout, task.tables, peer.layout,
                                       remote.block_tables or (remote.block_ids,), self.ctx.spec.windows,
                                       task.start_token, task.num_tokens)  # fmt: skip
-                segs = pad_last_blocks(self.ctx.layout, peer.layout, segs)  # into D's fresh blocks: safe (its docstring)
+                segs = pad_last_blocks(self.ctx.layout, peer.layout, segs)  # into D's fresh blocks: safe
                 local_descs, remote_descs = descriptors(self.ctx.layout, peer.layout, segs, heads)
                 xfer = self.ctx.post("READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory)
             except (LayoutError, AgentError) as e:
