@@ -203,7 +203,9 @@ def pad_last_blocks(local: BlockLayout, remote: BlockLayout, segments: list[Segm
         return segments
     bs = local.block_size
     return [
-        Segment(s.local_block, 0, s.remote_block, 0, bs) if s.local_row == 0 and s.remote_row == 0 else s
+        Segment(s.local_block, 0, s.remote_block, 0, bs)
+        if s.num_tokens < bs and s.local_row == s.remote_row == 0
+        else s
         for s in segments
     ]
 
