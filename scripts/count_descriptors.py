@@ -1,7 +1,7 @@
 """NIXL descriptors one request's KV transfer posts, per tensor-parallel mapping: this tree's layout.py against a
-baseline revision's (default: main, whose in-block layout was tokens before heads). Pure layout math, no NIXL.
+baseline revision's (default: 1fda30d, the last with tokens before heads in a block). Pure layout math, no NIXL.
 
-    python scripts/count_descriptors.py [--baseline main] [--tokens 2048,16384] [--seed 0] [--out counts.json]
+    python scripts/count_descriptors.py [--baseline 1fda30d] [--tokens 2048,16384] [--seed 0] [--out counts.json]
 
 Shape: Qwen3-32B (64 layers, 8 KV heads, head dim 128, bf16), blocks of 16 tokens. A prompt of N tokens moves
 N - 1 (D computes the last prompt token itself), built as the transfer thread builds it (push_send.py, pull.py):
@@ -67,7 +67,7 @@ def count(lay: types.ModuleType, p_tp: int, d_tp: int, tokens: int, ids: Callabl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", default="main", help="git revision whose layout.py is the 'old' column")
+    ap.add_argument("--baseline", default="1fda30d", help="git revision whose layout.py is the 'old' column")
     ap.add_argument("--tokens", default="2048,16384", help="prompt lengths, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
