@@ -74,7 +74,7 @@ def main() -> None:
     for bsz in (int(b) for b in args.batches.split(",")):
         nb = -(-args.context // bs)
         num_blocks = bsz * nb + 8
-        kv = torch.randn(num_blocks, layers, 2, bs, hkv, d)
+        kv = torch.randn(num_blocks, layers, 2, hkv, bs, d)  # the engine's layout (heads before tokens)
         tables = torch.randperm(num_blocks)[: bsz * nb].view(bsz, nb)
         lens = torch.full((bsz,), args.context)
         dec = DecodeBatch(torch.arange(bsz), tables, lens, args.context, is_uniform=True, rows_are_all=True)

@@ -167,7 +167,7 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
     """Batch-1 pieces: each weight's GEMV (achieved GB/s), the decode attention kernel at ctx tokens."""
     from triton.testing import do_bench
 
-    from pdserve.model.paged import DecodeBatch, layer_view
+    from pdserve.model.paged import DecodeBatch, cache_block_size, layer_view
     from pdserve.model.cuda_attention import decode_attention
 
     dec = eng.runner.decoder
@@ -188,7 +188,7 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
     gemv["lm_head"] = {"us": round(ms * 1e3, 1), "GB/s": round(head.numel() * 2 / (ms / 1e3) / 1e9)}
     detail["gemv_b1"] = gemv
     kv = eng.runner.kv_cache
-    bs = kv.shape[3]
+    bs = cache_block_size(kv)
     nblk = -(-ctx // bs)
     q = torch.randn(1, dec.arch.num_heads, dec.arch.head_dim, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
@@ -198,7 +198,7 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
         torch.tensor([ctx], device="cuda"),
         ctx,
     )
-    layer0 = layer_view(kv, 0)  # [2, num_blocks, block_size, heads, head_dim], block-major strides
+    layer0 = layer_view(kv, 0)  # [2, num_blocks, block_size, heads, head_dim], block-major HND strides
     ms = do_bench(lambda: decode_attention(q, layer0, d, 0.1, out), warmup=25, rep=100, return_mode="median")
     kv_bytes = 2 * ctx * dec.arch.num_kv_heads * dec.arch.head_dim * 2
     detail["decode_attention_b1"] = {"ctx": ctx, "us": round(ms * 1e3, 1), "GB/s": round(kv_bytes / (ms / 1e3) / 1e9)}

@@ -128,7 +128,7 @@ def _child(conn: Any, gpu: int, role: str, mode: str, dims: tuple, block_size: i
     layers, heads, head_dim, dtype_name = dims
     dtype = getattr(torch, dtype_name)
     device = torch.device("cuda" if gpu >= 0 else "cpu")
-    kv = torch.zeros((num_blocks, layers, 2, block_size, heads, head_dim), dtype=dtype, device=device)
+    kv = torch.zeros((num_blocks, layers, 2, heads, block_size, head_dim), dtype=dtype, device=device)
     if role == "prefill":
         kv.normal_()
     cfg = TransferConfig(role=role, mode=mode, side_channel_port=0, engine_id=f"{role}-{os.getpid()}")

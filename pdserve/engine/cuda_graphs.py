@@ -28,7 +28,7 @@ import torch
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.step_plan import Chunk
 from pdserve.model.decoder import Decoder
-from pdserve.model.paged import AttentionContext, DecodeBatch
+from pdserve.model.paged import AttentionContext, DecodeBatch, cache_block_size
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -39,13 +39,13 @@ class DecodeGraphs:
     def __init__(
         self,
         decoder: Decoder,
-        kv_cache: torch.Tensor,  # [num_blocks, layers per block, 2, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, layers per block, 2, num_kv_heads, block_size, head_dim]
         max_blocks_per_seq: int,  # width of the static block tables; longer sequences run eagerly
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     ) -> None:
         self.decoder = decoder
         self.kv_cache = kv_cache
-        self.block_size = kv_cache.shape[3]
+        self.block_size = cache_block_size(kv_cache)
         self.buckets = tuple(sorted(buckets))
         self.max_rows = self.buckets[-1]
         self.width = max_blocks_per_seq
@@ -196,5 +196,5 @@ class DecodeGraphs:
 
 def max_blocks_per_seq(kv_cache: torch.Tensor, max_position_embeddings: int) -> int:
     """Block-table width of the graphs: the model's longest sequence, at most every block of the cache."""
-    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[3]
+    num_blocks, block_size = kv_cache.shape[0], cache_block_size(kv_cache)
     return min(num_blocks, -(-max_position_embeddings // block_size))

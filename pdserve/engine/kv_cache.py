@@ -1,24 +1,27 @@
 """The paged KV cache: one contiguous, block-major tensor a transfer layer can register once and address by block.
 
-Shape [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's K and V of every layer are
-one contiguous byte range, so moving a run of blocks between instances is one NIXL descriptor however many
-layers the model has (a layer-major cache needs 2 x layers descriptors per scattered block). Kernels see one
-layer through model.attention.layer_view(): a strided [2, num_blocks, block_size, num_kv_heads, head_dim] view
-whose block stride is num_layers * 2 * block_size * num_kv_heads * head_dim elements.
+Shape [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim] (heads before tokens inside a block, as
+vLLM's HND layout): one block's K and V of every layer are one contiguous byte range, so moving a run of blocks
+between instances is one NIXL descriptor however many layers the model has (a layer-major cache needs
+2 x layers descriptors per scattered block). Kernels see one layer through paged.layer_view(): a strided
+[2, num_blocks, block_size, num_kv_heads, head_dim] view (the logical order every kernel indexes) whose block
+stride is num_layers * 2 * num_kv_heads * block_size * head_dim elements, head stride block_size * head_dim
+and token stride head_dim.
 
 Sliding-window and hybrid models (model/kv_groups.py): a block holds the layers of one KV group,
-[num_blocks, layers_per_block, 2, block_size, num_kv_heads, head_dim]; with one group (every model whose layers
+[num_blocks, layers_per_block, 2, num_kv_heads, block_size, head_dim]; with one group (every model whose layers
 share one attention type) layers_per_block = num_layers and all of the above holds as is.
 
-Tokens before heads inside a block (not [..., num_kv_heads, block_size, head_dim]), decided on cost:
-- whole-block transfers, the case that matters, are one range either way;
-- a partial block (prefix hit, last block, P and D block sizes differ) stays one range per (layer, K/V) with
-  tokens outer; heads outer would make it one range per head, num_kv_heads times more descriptors;
-- a fused KV store writes a token's heads as one [num_kv_heads * head_dim] row, and the CPU path gathers
-  [tokens, heads, head_dim] as stored;
-- heads outer pays off only for a heterogeneous-TP transfer (one rank's head slice), which does not exist yet,
-  and even then is a range per (block, layer, K/V). Every kernel addresses the cache through strides, so that
-  choice would be this allocation plus layout.py's partial-block rows, not a kernel rewrite.
+Heads before tokens inside a block, decided on transfer cost (transfer/layout.py):
+- whole-block transfers between equal TP sizes, the common case, are one range per run of blocks either way;
+- a heterogeneous-TP transfer moves one rank's head slice, and heads outer make that slice of a (block, layer,
+  K/V) one contiguous range ([h0, h1) x block_size x head_dim); tokens outer made it one range per token row
+  (64 layers x 2 x 2048 tokens = 262144 descriptors for a 2k prompt, per producer rank);
+- the price is a partial block (P and D block sizes differ, a window's start) with heads outer is one range
+  per (layer, K/V, head) instead of one per (layer, K/V); the common partial block, the prompt's last, is sent
+  whole instead (the rows past the prompt are D's own, written by D after the transfer lands: layout.py);
+- kernels address the cache through strides (a token's heads are head_stride apart, head_dim contiguous), so
+  the layout costs them nothing but strided stores.
 """
 
 from __future__ import annotations
@@ -61,9 +64,9 @@ def allocate_kv_cache(
     device: torch.device,
     num_kv_heads: int | None = None,  # a tensor-parallel rank's KV heads; default all of the model's
 ) -> torch.Tensor:
-    """[num_blocks, layers_per_block, 2, block_size, num_kv_heads, head_dim], zeroed."""
+    """[num_blocks, layers_per_block, 2, num_kv_heads, block_size, head_dim] (heads before tokens), zeroed."""
     heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-    shape = (num_blocks, layers_per_block(arch), 2, block_size, heads, arch.head_dim)
+    shape = (num_blocks, layers_per_block(arch), 2, heads, block_size, arch.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -77,7 +80,7 @@ def kv_cache_spec(
     rank_ports: tuple[int, ...] = (),  # rank 0: every rank's side-channel port
     kv_groups: KVGroups | None = None,  # the model's KV layer groups (None: one full-attention group)
 ) -> KVCacheSpec:
-    num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_blocks, num_layers, _, num_kv_heads, block_size, head_dim = kv_cache.shape
     is_cuda = kv_cache.device.type == "cuda"
     return KVCacheSpec(
         base_addr=kv_cache.data_ptr(),

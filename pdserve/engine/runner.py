@@ -32,7 +32,7 @@ from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.step_plan import Chunk, plan_of
 from pdserve.model import cpu_attention
 from pdserve.model.decoder import Decoder
-from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
+from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, cache_block_size
 
 if TYPE_CHECKING:
     from pdserve.engine.cuda_graphs import DecodeGraphs
@@ -50,8 +50,8 @@ class ModelRunner:
         max_model_len: int | None = None,  # longest sequence served (sizes the graphs' block tables)
     ) -> None:
         self.decoder = decoder
-        self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, num_kv_heads of this rank, head_dim]
-        self.block_size = kv_cache.shape[3]
+        self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, num_kv_heads of this rank, block_size, head_dim]
+        self.block_size = cache_block_size(kv_cache)
         self.device = device
         self.ranks = ranks
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps

@@ -123,6 +123,7 @@ def _qkv_rope_store_kernel(
     stride_t,
     stride_kb,
     stride_kt,
+    stride_kh,
     eps,
     max_pos,
     PAGE: tl.constexpr,
@@ -160,12 +161,12 @@ def _qkv_rope_store_kernel(
         tl.store(base + HALF + d, o2)
         if h >= NUM_HEADS:
             if slot >= 0:
-                dst = K_CACHE + cache_off + (h - NUM_HEADS) * (2 * HALF)
+                dst = K_CACHE + cache_off + (h - NUM_HEADS) * stride_kh
                 tl.store(dst + d, o1)
                 tl.store(dst + HALF + d, o2)
     else:
         if slot >= 0:
-            dst = V_CACHE + cache_off + (h - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF)
+            dst = V_CACHE + cache_off + (h - NUM_HEADS - NUM_KV_HEADS) * stride_kh
             tl.store(dst + d, tl.load(base + d))
             tl.store(dst + HALF + d, tl.load(base + HALF + d))
 
@@ -186,8 +187,8 @@ def qkv_rope_store(
     t = qkv.shape[0]
     head_dim = layer_cache.shape[-1]
     qk_norm = q_norm_weight is not None
-    k_cache = layer_cache[0]  # [num_blocks, block_size, num_kv_heads, head_dim]; a token's heads are one row
-    assert k_cache.stride(2) == head_dim and k_cache.stride(3) == 1 and layer_cache[1].stride() == k_cache.stride()
+    k_cache = layer_cache[0]  # [num_blocks, block_size, num_kv_heads, head_dim]; heads stride(2) apart (HND)
+    assert k_cache.stride(3) == 1 and layer_cache[1].stride() == k_cache.stride()
     _qkv_rope_store_kernel[(t, num_heads + 2 * num_kv_heads)](
         qkv,
         positions,
@@ -200,6 +201,7 @@ def qkv_rope_store(
         qkv.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
+        k_cache.stride(2),
         eps,
         cos_sin.shape[0],
         PAGE=k_cache.shape[1],

@@ -2,7 +2,7 @@
 
 Layers that share an attention type (the same sliding window, or the whole context) share block tables. Every
 group holds the same number of layers, `layers_per_block` (the gcd of the per-type layer counts), so one block
-of the cache, [layers_per_block, 2, block_size, num_kv_heads, head_dim], serves any group and one block pool
+of the cache, [layers_per_block, 2, num_kv_heads, block_size, head_dim], serves any group and one block pool
 serves them all; a type with more layers has several groups (Gemma 3 12B: 40 local and 8 global layers make
 six groups of 8, five local and one global). A model whose layers all share one type has one group of every
 layer: the cache, its block tables and the transfer layout are exactly those of a full-attention model.

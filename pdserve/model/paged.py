@@ -1,10 +1,12 @@
 """What every attention path reads: the per-step batch description and the views of the paged KV cache.
 
-The KV cache is block-major, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (see
-engine/kv_cache.py). One layer is the strided view layer_view() gives, [2, num_blocks, block_size, num_kv_heads,
-head_dim]; index 0 holds K, index 1 holds V; consecutive blocks are num_layers * 2 * block_size * num_kv_heads *
-head_dim elements apart, so no kernel may flatten (blocks, rows) into one dimension. A token at position p of a
-sequence lives in block block_table[p // block_size], row p % block_size. The runner builds one
+The KV cache is block-major with heads before tokens inside a block, [num_blocks, num_layers, 2, num_kv_heads,
+block_size, head_dim] (see engine/kv_cache.py for why). One layer is the strided view layer_view() gives, in the
+logical order every kernel indexes, [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 holds K, index 1
+holds V. Its strides, in elements: block num_layers * 2 * num_kv_heads * block_size * head_dim, token head_dim,
+head block_size * head_dim, head_dim 1. Neither (blocks, rows) nor (rows, heads) may be flattened into one
+dimension: kernels take the block, token and head strides (a token's K of all heads is not one row). A token at
+position p of a sequence lives in block block_table[p // block_size], row p % block_size. The runner builds one
 AttentionContext per step and passes it explicitly (no global state).
 
 Both attention.py (portable) and cuda_attention.py (Triton) import this module and not each other's.
@@ -47,13 +49,19 @@ class AttentionContext:
     block_size: int
 
 
+def cache_block_size(kv_cache: torch.Tensor) -> int:
+    """Tokens per block of the whole cache ([num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim])."""
+    return kv_cache.shape[4]
+
+
 def layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
     """One layer of the block-major cache as a strided [2, num_blocks, block_size, num_kv_heads, head_dim] view."""
-    return kv_cache[:, layer].transpose(0, 1)
+    return kv_cache[:, layer].transpose(0, 1).transpose(2, 3)  # [2, nb, hkv, bs, d] -> tokens before heads
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V ([T, num_kv_heads, head_dim]) into their slots of one layer's (strided) cache."""
+    """Store new K/V ([T, num_kv_heads, head_dim]) into their slots of one layer's (strided) cache: each token's
+    heads land head_stride apart (index_put_ writes through the view's strides)."""
     block_size = layer_cache.shape[2]
     blocks, rows = slot_mapping // block_size, slot_mapping % block_size  # [T] each
     layer_cache[0].index_put_((blocks, rows), k)
@@ -61,6 +69,6 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_m
 
 
 def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Rows [0, length) of one sequence from one of K or V: [length, num_kv_heads, head_dim]."""
-    blocks = cache.index_select(0, block_table)  # [n, block_size, h, d]
+    """Rows [0, length) of one sequence from one of K or V: [length, num_kv_heads, head_dim] (contiguous)."""
+    blocks = cache.index_select(0, block_table)  # [n, block_size, h, d], a contiguous copy of the strided blocks
     return blocks.flatten(0, 1)[:length]

@@ -34,8 +34,8 @@ from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, Push
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Shape of the registered KV cache: one contiguous, block-major buffer laid out as
-    [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (2 = K then V): one block's K and V of
-    every layer are one contiguous byte range (see layout.py)."""
+    [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim] (2 = K then V): one block's K and V of
+    every layer are one contiguous byte range, and so is one head range of one (block, layer, K/V) (layout.py)."""
 
     base_addr: int  # address of element 0 (host or device pointer)
     num_layers: int

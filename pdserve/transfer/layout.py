@@ -1,24 +1,27 @@
 """Layout math: block ids and a token range -> byte regions of two KV caches (pure math, no torch, no NIXL).
 
-Both caches are block-major: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. One block's K and
-V of every layer are one contiguous range of block_stride = num_regions * region_bytes bytes, where a *region*
-is one (layer, K/V) pair (num_regions = 2 * num_layers) and region_bytes = block_size * token_bytes. Token t
-of a request lives, in region r, at
-    base_addr + block_ids[t // block_size] * block_stride + r * region_bytes + (t % block_size) * token_bytes.
+Both caches are block-major with heads before tokens inside a block (engine/kv_cache.py):
+[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]. One block's K and V of every layer are one
+contiguous range of block_stride = num_regions * region_bytes bytes, where a *region* is one (layer, K/V) pair
+(num_regions = 2 * num_layers) and region_bytes = num_heads * head_block_bytes, head_block_bytes = block_size *
+head_bytes (one head's rows of one region). Token t, head h of a request lives, in region r, at
+    base_addr + block_ids[t // block_size] * block_stride + r * region_bytes + h * head_block_bytes
+              + (t % block_size) * head_bytes.
 A transfer of tokens [start, start + n) is cut at every block boundary of *both* sides (so P and D may use
-different block sizes) into segments, each inside one local and one remote block. A segment that is a whole
-block on both sides is one descriptor of block_stride bytes (every layer at once); any other segment (a partial
-first or last block, or different block sizes) is one descriptor per region, so the bytes of tokens outside
-the range are never touched. Descriptors contiguous on both sides (runs of whole blocks) are merged: with
-equal block sizes a transfer is one descriptor per run of blocks contiguous on both sides, whatever the
-number of layers.
+different block sizes) into segments, each inside one local and one remote block. Descriptors per segment:
+- a whole block on both sides, every head of both sides: one descriptor of block_stride bytes (every layer);
+- a whole block on both sides, a head slice (heads.py: tensor-parallel ranks of different sizes): one per
+  region, heads [h0, h0 + num) x block_size x head_dim being contiguous;
+- any other segment (a partial block: P and D block sizes differ, a window's start, an unpadded last block):
+  one per (region, head), so the bytes of tokens outside the range are never touched.
+Descriptors contiguous on both sides are merged: with equal block sizes and equal TP a transfer is one
+descriptor per run of blocks contiguous on both sides, whatever the number of layers; a head slice is one per
+(block, region), e.g. 2 x 64 layers x 128 blocks = 16384 for a 2048-token prompt of 16-token blocks (tokens
+before heads needed one per token row, 2 x 64 x 2048 = 262144).
 
-Tensor parallelism (heads.py): a rank's cache holds only its KV heads, and a transfer between ranks of different
-TP sizes moves a head slice: heads [local_head, local_head + num_heads) of the local rank's heads from/to
-[remote_head, ...) of the remote rank's. Tokens come before heads inside a block, so a slice that is not every
-head of both ranks is strided: one descriptor per token row per region, num_heads * head_bytes each
-(2 * num_layers * tokens descriptors per producer rank; e.g. 64 layers x 2048 tokens = 262144 rows of 512 B for
-one of 8 bf16 heads of 128 dims). Equal head sets (equal TP sizes) keep the whole-block merging above.
+The prompt's last block is usually partial (D computes the last prompt token itself). pad_last_blocks() sends
+it whole when that is safe (equal block sizes), keeping it one descriptor per (block, region) or less instead of
+one per (region, head); its docstring carries the argument.
 
 Sliding-window and hybrid models (model/kv_groups.py): a block holds num_layers = layers_per_block layers of one
 KV group, and each group has its own block table on each side. group_segments() cuts every group's range
@@ -64,9 +67,14 @@ class BlockLayout:
         return self.token_bytes // self.num_heads
 
     @property
+    def head_block_bytes(self) -> int:
+        """Bytes of one head's block_size rows in one (layer, K/V) region: contiguous (heads before tokens)."""
+        return self.block_size * self.head_bytes
+
+    @property
     def region_bytes(self) -> int:
-        """Bytes of one (layer, K/V) region of one block: block_size tokens."""
-        return self.block_size * self.token_bytes
+        """Bytes of one (layer, K/V) region of one block: num_heads x block_size x head_dim."""
+        return self.num_heads * self.head_block_bytes
 
     @property
     def block_stride(self) -> int:
@@ -167,6 +175,41 @@ def group_segments(
     return segments
 
 
+def pad_last_blocks(local: BlockLayout, remote: BlockLayout, segments: list[Segment]) -> list[Segment]:
+    """The segments with every one that starts a block on both sides extended to the whole block (equal block
+    sizes only; otherwise unchanged): a partial last block is then one descriptor per region (a head slice) or
+    part of its run of blocks (every head), not one per (region, head).
+
+    Only for transfers into D's blocks for the prompt (push: P WRITEs into D; pull: D READs P's into its own),
+    where it is safe, because every byte written past the transferred tokens is a row of D's own that D writes
+    before anything reads it:
+    - the destination block belongs to this request alone. D allocates every block from the first transferred
+      token on fresh (Scheduler._park_for_remote_kv: prefix hits are whole blocks and come before start_token,
+      which is block aligned; the rest is pool.allocate, no hash and one owner). A padded block holds the last
+      transferred token, so it lies after the hits and is shared with no one; D hashes a block for its prefix
+      cache only once it is full of computed tokens (_cache_full_blocks), after D wrote the padded rows itself.
+    - rows past the range are positions >= start + num_tokens: the last prompt token, which D computes itself,
+      and output tokens. D computes nothing for the request until the recv is reported finished (it waits in
+      WAITING_FOR_REMOTE_KV), which happens after every WRITE/READ landed; each later step writes a position's
+      K/V (write_kv, qkv_rope_store) before attention reads it, and attention never reads a row at or past its
+      context length. So the padded rows are overwritten before they are read, as D's stale rows would be.
+    - a cancelled or superseded attempt: the padded rows are in the same blocks as the transferred rows, so the
+      rules that keep an old WRITE out of blocks D reuses (PushCancelAck's landed, the pull's abort before
+      freeing) cover them too.
+    - the source rows past the range (P's block) are only read; with staging (staging.py) D copies exactly the
+      transferred tokens from its mirror, so there nothing past the range reaches D's cache at all.
+    With different block sizes a segment's block on one side is not the other's, so nothing is padded."""
+    if local.block_size != remote.block_size:
+        return segments
+    bs = local.block_size
+    return [
+        Segment(s.local_block, 0, s.remote_block, 0, bs)
+        if s.num_tokens < bs and s.local_row == s.remote_row == 0
+        else s
+        for s in segments
+    ]
+
+
 def live_ranges(tables: Sequence[Sequence[int]], block_size: int) -> list[tuple[Sequence[int], int]]:
     """(table, first token of its first live block) per KV group: a windowed group's STALE entries come first."""
     out = []
@@ -189,32 +232,45 @@ def descriptors(
     local: BlockLayout, remote: BlockLayout, segments: list[Segment], heads: Heads | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """NIXL descriptor arrays for the segments: two [num_descs, 3] uint64 arrays of (address, length, device
-    id), row i of one matching row i of the other. A whole block on both sides is one row; any other segment
-    is one row per region; a head slice (heads, unless every head of both sides) one row per token per region.
-    Rows contiguous on both sides are merged."""
+    id), row i of one matching row i of the other. A whole block on both sides is one row (every head of both
+    sides) or one row per region (a head slice); any other segment is one row per (region, head). Rows
+    contiguous on both sides are merged. heads None: every head, which both sides must have alike."""
     if local.num_layers != remote.num_layers:
         raise LayoutError(f"layer count differs: local {local.num_layers}, remote {remote.num_layers}")
+    if heads is None:
+        if local.token_bytes != remote.token_bytes:
+            raise LayoutError(f"token size differs: local {local.token_bytes} B, remote {remote.token_bytes} B")
+        heads = Heads(0, 0, local.num_heads)
+    if local.head_bytes != remote.head_bytes:
+        raise LayoutError(f"head size differs: local {local.head_bytes} B, remote {remote.head_bytes} B")
+    for side, layout, h0 in (("local", local, heads.local), ("remote", remote, heads.remote)):
+        if not (heads.num >= 1 and 0 <= h0 and h0 + heads.num <= layout.num_heads):
+            raise LayoutError(f"{side} heads [{h0}, {h0 + heads.num}) outside its {layout.num_heads} heads")
     if not segments:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()
-    if heads is not None and not (
-        heads.local == heads.remote == 0 and heads.num == local.num_heads == remote.num_heads
-    ):
-        return _head_rows(local, remote, segments, heads)
-    if local.token_bytes != remote.token_bytes:
-        raise LayoutError(f"token size differs: local {local.token_bytes} B, remote {remote.token_bytes} B")
+    every_head = heads.local == heads.remote == 0 and heads.num == local.num_heads == remote.num_heads
     seg = np.array(
         [(s.local_block, s.local_row, s.remote_block, s.remote_row, s.num_tokens) for s in segments], dtype=np.int64
     )  # [num_segments, 5]
     lb, lr, rb, rr, n = seg.T
     whole = (lr == 0) & (rr == 0) & (n == local.block_size) & (n == remote.block_size)  # [num_segments]
-    counts = np.where(whole, 1, local.num_regions)  # rows per segment
+    per_region = local.num_regions if not every_head else 1  # rows of a whole block
+    counts = np.where(whole, per_region, local.num_regions * heads.num)  # rows per segment
     idx = np.repeat(np.arange(len(seg)), counts)  # [num_rows]: the segment of each row
-    region = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)  # 0 for a whole block's row
-    tb = local.token_bytes
-    l_addr = local.base_addr + lb[idx] * local.block_stride + region * local.region_bytes + lr[idx] * tb
-    r_addr = remote.base_addr + rb[idx] * remote.block_stride + region * remote.region_bytes + rr[idx] * tb
-    lens = np.where(whole[idx], local.block_stride, n[idx] * tb)
+    k = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)  # row index inside its segment
+    w = whole[idx]
+    region = np.where(w, 0 if every_head else k, k // heads.num)
+    head = np.where(w, 0, k % heads.num)  # offset inside the slice (a whole block's row starts at its first head)
+    hb = local.head_bytes
+
+    def addresses(layout: BlockLayout, blocks: np.ndarray, rows: np.ndarray, first_head: int) -> np.ndarray:
+        return (layout.base_addr + blocks[idx] * layout.block_stride + region * layout.region_bytes
+                + (first_head + head) * layout.head_block_bytes + rows[idx] * hb)  # fmt: skip
+
+    l_addr, r_addr = addresses(local, lb, lr, heads.local), addresses(remote, rb, rr, heads.remote)
+    whole_len = local.block_stride if every_head else heads.num * local.head_block_bytes
+    lens = np.where(w, whole_len, n[idx] * hb)
     # a new descriptor starts where either side is not contiguous with the previous row
     starts = np.ones(len(lens), dtype=bool)
     starts[1:] = (l_addr[:-1] + lens[:-1] != l_addr[1:]) | (r_addr[:-1] + lens[:-1] != r_addr[1:])
@@ -225,34 +281,6 @@ def descriptors(
     def table(addr: np.ndarray, device_id: int) -> np.ndarray:
         out = np.empty((len(first), 3), dtype=np.uint64)
         out[:, 0], out[:, 1], out[:, 2] = addr[first], merged_len, device_id
-        return out
-
-    return table(l_addr, local.device_id), table(r_addr, remote.device_id)
-
-
-def _head_rows(
-    local: BlockLayout, remote: BlockLayout, segments: list[Segment], heads: Heads
-) -> tuple[np.ndarray, np.ndarray]:
-    """One row per (segment token, region): heads.num heads of one token of one (layer, K/V)."""
-    for side, layout, first in (("local", local, heads.local), ("remote", remote, heads.remote)):
-        if not (heads.num >= 1 and 0 <= first and first + heads.num <= layout.num_heads):
-            raise LayoutError(f"{side} heads [{first}, {first + heads.num}) outside its {layout.num_heads} heads")
-    seg = np.array(
-        [(s.local_block, s.local_row, s.remote_block, s.remote_row, s.num_tokens) for s in segments], dtype=np.int64
-    )  # [num_segments, 5]
-    lb, lr, rb, rr, n = seg.T
-    tok = np.repeat(np.arange(len(seg)), n)  # [num_tokens]: the segment of each token
-    row = np.arange(len(tok)) - np.repeat(np.cumsum(n) - n, n)  # token index inside its segment
-    region = np.arange(local.num_regions)
-    l_tok = local.base_addr + lb[tok] * local.block_stride + (lr[tok] + row) * local.token_bytes
-    r_tok = remote.base_addr + rb[tok] * remote.block_stride + (rr[tok] + row) * remote.token_bytes
-    l_addr = (l_tok[:, None] + region[None, :] * local.region_bytes).ravel() + heads.local * local.head_bytes
-    r_addr = (r_tok[:, None] + region[None, :] * remote.region_bytes).ravel() + heads.remote * remote.head_bytes
-    length = heads.num * local.head_bytes
-
-    def table(addr: np.ndarray, device_id: int) -> np.ndarray:
-        out = np.empty((len(addr), 3), dtype=np.uint64)
-        out[:, 0], out[:, 1], out[:, 2] = addr, length, device_id
         return out
 
     return table(l_addr, local.device_id), table(r_addr, remote.device_id)

@@ -1,7 +1,7 @@
 """kv_buffer_device "cpu": NIXL moves a host mirror of the KV cache; the KV cache itself stays on the GPU.
 
 For fabrics without GPUDirect. The mirror has the KV cache's block-major shape [num_blocks, num_layers, 2,
-block_size, num_kv_heads, head_dim] (pinned host memory) and is what NIXL registers (as DRAM) and what the
+num_kv_heads, block_size, head_dim] (pinned host memory) and is what NIXL registers (as DRAM) and what the
 handshake describes; block b of the mirror (one contiguous range) stages block b of the KV cache. Copies go by
 block id on a dedicated CUDA stream and are synchronized before anyone may rely on them:
 
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pdserve.model.paged import cache_block_size
 from pdserve.transfer.base import KVCacheSpec
 from pdserve.transfer.faults import NO_FAULTS, Faults
 
@@ -51,7 +52,7 @@ class Stager:
         self.device = kv_cache.device
         self.cuda = kv_cache.device.type == "cuda"
         self.mirror = torch.empty(kv_cache.shape, dtype=kv_cache.dtype, pin_memory=self.cuda)
-        self.block_size = kv_cache.shape[3]
+        self.block_size = cache_block_size(kv_cache)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._ready: Any = None  # push: the newest CUDA event recorded on the engine's stream by submit()
 
@@ -102,7 +103,7 @@ class Stager:
                 idx = torch.tensor(whole, dtype=torch.long)
                 self.kv.index_copy_(0, idx, self.mirror.index_select(0, idx))
             for b, t0, t1 in partial:
-                self.kv[b, :, :, t0:t1] = self.mirror[b, :, :, t0:t1]
+                self.kv[b, :, :, :, t0:t1] = self.mirror[b, :, :, :, t0:t1]  # [layers, 2, heads, rows, d]
             return
         assert self.stream is not None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -112,7 +113,7 @@ class Stager:
                 torch.index_select(self.mirror, 0, idx, out=host)
                 self.kv.index_copy_(0, idx.to(self.device), host.to(self.device, non_blocking=True))
             for b, t0, t1 in partial:
-                self.kv[b, :, :, t0:t1].copy_(self.mirror[b, :, :, t0:t1].contiguous().to(self.device))
+                self.kv[b, :, :, :, t0:t1].copy_(self.mirror[b, :, :, :, t0:t1].contiguous().to(self.device))
         self.stream.synchronize()
 
 

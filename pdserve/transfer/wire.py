@@ -26,7 +26,9 @@ from pdserve.transfer.heads import mapping_error
 #    hash covers the model's KV heads, not a rank's; D registers with / releases to every P rank (2026-12-03).
 # 7: sliding-window models: PeerInfo.group_windows / .group_layers (the KV layer groups, in the compatibility
 #    hash) and PushRegister.block_tables (D's table per group) (2026-12-04).
-WIRE_VERSION = 7
+# 8: heads before tokens inside a block, [blocks, layers, 2, heads, block_size, head_dim] (addresses differ; a
+#    partial last block is sent whole) (2026-12-01).
+WIRE_VERSION = 8
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 

@@ -59,13 +59,15 @@ def completion(url: str, prompt: str) -> tuple[list[int], list[int]]:
 
 def expected_bytes(fam: str, num_prompt: int, start: int = 0) -> int:
     """D computes the last prompt token itself: tokens [start, end) move for a full group (D has [0, start)), and
-    for a windowed group only those of the blocks holding what the query at `end` reads, keys (end - window, end]."""
+    for a windowed group only those of the blocks holding what the query at `end` reads, keys (end - window, end];
+    P and D have equal block sizes, so each group's partial last block moves whole (layout.pad_last_blocks)."""
     window, token_bytes = SHAPES[fam]
     end = num_prompt - 1
     first = max(start, max(0, end - window + 1) // BS * BS)
-    moved_windowed = end - first
+    sent_end = -(-end // BS) * BS  # the last block whole
+    moved_windowed = sent_end - first if end > first else 0
     if fam == "gemma3":  # one full group + one windowed group
-        return (end - start + moved_windowed) * token_bytes
+        return ((sent_end - start if end > start else 0) + moved_windowed) * token_bytes
     return moved_windowed * token_bytes  # mistral: one windowed group
 
 

@@ -18,8 +18,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _layer(make, nb: int, bs: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block-major cache [nb, 3 layers, 2, bs, hkv, d], layer 1's strided view): kernels must use the block stride."""
-    full = make(nb, 3, 2, bs, hkv, d, device="cuda", dtype=BF16)
+    """(block-major cache [nb, 3 layers, 2, hkv, bs, d], layer 1's strided view): kernels must use the block,
+    token and head strides."""
+    full = make(nb, 3, 2, hkv, bs, d, device="cuda", dtype=BF16)
     return full, layer_view(full, 1)
 
 

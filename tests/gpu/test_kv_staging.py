@@ -42,7 +42,7 @@ def test_staged_pull_on_gpu(cl):
     kind, reason = d.wait_result("g1", timeout=30)
     assert kind == "finished", reason
     after = d.kv()
-    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 16, 73))
+    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 16, 73, staged=True))
     assert not np.array_equal(after, before)
     p.wait_send("p-g1")
 
@@ -59,5 +59,5 @@ def test_staged_push_on_gpu(cl):
     kind, reason = d.wait_result("d-tg1", timeout=30)
     assert kind == "finished", reason
     after = d.kv()
-    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 0, 119))
+    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 0, 119, staged=True))
     p.wait_send("p-tg1", timeout=30)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.model.attention import paged_attention
-from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
+from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, layer_view
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,16 +29,16 @@ pytestmark = [
 
 
 class Paged:
-    """A block-major cache [num_blocks, 3 layers, 2, bs, hkv, d] (layer 1 is used: kernels must take the
+    """A block-major cache [num_blocks, 3 layers, 2, hkv, bs, d] (layer 1 is used: kernels must take the
     strides) with shuffled blocks, filled for sequences of the given lengths."""
 
     def __init__(self, lens: list[int], bs: int, hkv: int, d: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.bs, self.lens = bs, lens
         num_blocks = sum(-(-n // bs) for n in lens) + 3
-        full = torch.randn(num_blocks, 3, 2, bs, hkv, d, generator=gen)
+        full = torch.randn(num_blocks, 3, 2, hkv, bs, d, generator=gen)
         self.full = full.to(DEVICE)
-        self.cache = self.full[:, 1].transpose(0, 1)  # [2, num_blocks, bs, hkv, d], strided
+        self.cache = layer_view(self.full, 1)  # [2, num_blocks, bs, hkv, d], strided
         perm = torch.randperm(num_blocks, generator=gen).tolist()
         self.tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
 
@@ -55,7 +55,7 @@ class Paged:
         """(a copy of the layer cache with NaN at every position < seen_from[i] of sequence i, tables with -1
         before the block of seen_from[i]): what a windowed group looks like once old blocks are freed."""
         full = self.full.clone()
-        cache = full[:, 1].transpose(0, 1)
+        cache = layer_view(full, 1)
         tables = []
         for i, lo in enumerate(seen_from):
             for p in range(lo):

@@ -10,13 +10,13 @@ from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
 
 
 class PagedCache:
-    """KV cache [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] plus per-sequence block tables.
+    """KV cache [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim] plus per-sequence block tables.
 
     Blocks are handed out from a shuffled free list, so a sequence's blocks are neither contiguous nor ordered.
     """
 
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32):
-        shape = (num_blocks, arch.num_layers, 2, block_size, arch.num_kv_heads, arch.head_dim)
+        shape = (num_blocks, arch.num_layers, 2, arch.num_kv_heads, block_size, arch.head_dim)
         # large finite garbage: attending to a slot that was never written shows up in the logits
         self.kv = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
         self.block_size = block_size

@@ -36,8 +36,8 @@ def test_no_compiler_falls_back(tmp_path: Path) -> None:
 def test_kernel_equals_portable(window: int | None, with_prefill: bool) -> None:
     gen = torch.Generator().manual_seed(window or 0)
     num_blocks, num_layers, bs, h, hkv, d = 40, 3, 4, 6, 2, 16
-    kv = torch.randn(num_blocks, num_layers, 2, bs, hkv, d, generator=gen)  # block-major, as the engine's
-    layer = layer_view(kv, 1)  # strided: blocks are num_layers * 2 * bs * hkv * d apart
+    kv = torch.randn(num_blocks, num_layers, 2, hkv, bs, d, generator=gen)  # block-major, as the engine's
+    layer = layer_view(kv, 1)  # strided: blocks are num_layers * 2 * hkv * bs * d apart, heads bs * d
     lens = [1, 9, 23, 16, 37]
     width = max(-(-n // bs) for n in lens)
     perm = torch.randperm(num_blocks, generator=gen).tolist()

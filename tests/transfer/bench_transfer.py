@@ -85,7 +85,7 @@ def cpu_cost(seconds: float = 5.0) -> None:
     from pdserve.transfer.params import RemoteDecode
 
     sched, worker = make_connectors(TransferConfig(role="prefill", mode="pull", side_channel_port=0, lease_s=100), 16)
-    kv = torch.zeros(16, 2, 2, 16, 2, 4)  # [blocks, layers, 2, block_size, heads, head_dim]
+    kv = torch.zeros(16, 2, 2, 2, 16, 4)  # [blocks, layers, 2, heads, block_size, head_dim]
     worker.register_kv_cache(kv, KVCacheSpec(kv.data_ptr(), 2, 16, 16, 2, 4, 4, "DRAM", 0, "m", "float32"))
     worker.start(lambda: None)
 

@@ -1,7 +1,7 @@
 """Test harness: one connector pair (scheduler + worker) in its own process, driven like the engine drives it.
 
 The child runs an engine-like loop (build_step_meta -> submit, poll_results) and obeys commands from the
-test over a pipe. Its KV cache is a tiny float32 tensor [blocks, layers, 2, block_size, heads, head_dim]:
+test over a pipe. Its KV cache is a tiny float32 tensor [blocks, layers, 2, heads, block_size, head_dim]:
 a producer's holds known, unique values; a consumer's starts at -1 so any stray byte shows.
 """
 
@@ -20,7 +20,7 @@ NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 4
 
 def shape(num_blocks: int, block_size: int, dims: tuple[int, int, int] = (NUM_LAYERS, NUM_HEADS, HEAD_DIM)) -> tuple:
     layers, heads, head_dim = dims
-    return (num_blocks, layers, 2, block_size, heads, head_dim)
+    return (num_blocks, layers, 2, heads, block_size, head_dim)
 
 
 _CTX: Any = None
@@ -205,12 +205,17 @@ class Instance:
 
 
 def expected_kv(d_before: np.ndarray, p_kv: np.ndarray, d_blocks: list[int], p_blocks: list[int], start: int,
-                num_tokens: int) -> np.ndarray:  # fmt: skip
-    """D's cache after tokens [start, start + num_tokens) were copied from P's blocks into D's."""
+                num_tokens: int, staged: bool = False) -> np.ndarray:  # fmt: skip
+    """D's cache after tokens [start, start + num_tokens) were copied from P's blocks into D's; with equal block
+    sizes the last block is copied whole (layout.pad_last_blocks: its rows past the range are D's to overwrite),
+    unless D is staged (staging.py copies exactly the transferred tokens from its mirror into its cache)."""
     out = d_before.copy()
-    dbs, pbs = d_before.shape[3], p_kv.shape[3]
-    for t in range(start, start + num_tokens):
-        out[d_blocks[t // dbs], :, :, t % dbs] = p_kv[p_blocks[t // pbs], :, :, t % pbs]
+    dbs, pbs = d_before.shape[4], p_kv.shape[4]
+    end = start + num_tokens
+    if dbs == pbs and num_tokens > 0 and not staged:
+        end = -(-end // dbs) * dbs
+    for t in range(start, end):
+        out[d_blocks[t // dbs], :, :, :, t % dbs] = p_kv[p_blocks[t // pbs], :, :, :, t % pbs]
     return out
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults
 from pdserve.transfer.heads import mapping_error, rank_heads, sources
-from pdserve.transfer.layout import BlockLayout, Heads, descriptors, token_segments
+from pdserve.transfer.layout import BlockLayout, Heads, descriptors, pad_last_blocks, token_segments
 from pdserve.transfer.params import PushSource
 from pdserve.transfer.ranks import RankMerger, decode_meta, encode_meta
 
@@ -16,8 +16,8 @@ L_BASE, R_BASE = 1 << 20, 1 << 30
 
 
 def full_cache(total: int) -> np.ndarray:
-    """P's whole model: [blocks, layers, 2, block_size, total heads, head_dim], every element distinct."""
-    return np.arange(NB * LAYERS * 2 * BS * total * HD, dtype=np.float32).reshape(NB, LAYERS, 2, BS, total, HD)
+    """P's whole model: [blocks, layers, 2, total heads, block_size, head_dim], every element distinct."""
+    return np.arange(NB * LAYERS * 2 * total * BS * HD, dtype=np.float32).reshape(NB, LAYERS, 2, total, BS, HD)
 
 
 @pytest.mark.parametrize(("total", "p_tp", "d_tp"), [(2, 2, 1), (2, 1, 2), (2, 2, 2), (2, 4, 1), (2, 1, 4), (4, 2, 4)])
@@ -27,15 +27,15 @@ def test_every_d_rank_gets_exactly_its_heads(total: int, p_tp: int, d_tp: int) -
     p = []
     for r in range(p_tp):
         h0, nh = rank_heads(total, p_tp, r)
-        p.append(np.ascontiguousarray(full[:, :, :, :, h0 : h0 + nh]))
+        p.append(np.ascontiguousarray(full[:, :, :, h0 : h0 + nh]))
     for d_rank in range(d_tp):
         h0, nh = rank_heads(total, d_tp, d_rank)
-        dst = np.full((NB, LAYERS, 2, BS, nh, HD), -1.0, dtype=np.float32)
+        dst = np.full((NB, LAYERS, 2, nh, BS, HD), -1.0, dtype=np.float32)
         local = BlockLayout(L_BASE, LAYERS, NB, BS, nh * HD * 4, 0, nh)
         flat = dst.reshape(-1).view(np.uint8)
         for s in sources(total, p_tp, d_tp, d_rank):
             src = p[s.producer_rank]
-            remote = BlockLayout(R_BASE, LAYERS, NB, BS, src.shape[4] * HD * 4, 0, src.shape[4])
+            remote = BlockLayout(R_BASE, LAYERS, NB, BS, src.shape[3] * HD * 4, 0, src.shape[3])
             segs = token_segments(local, d_blocks, remote, p_blocks, start, n)
             lo, ro = descriptors(local, remote, segs, Heads(s.consumer_offset, s.producer_offset, s.num_heads))
             sflat = src.reshape(-1).view(np.uint8)
@@ -44,7 +44,7 @@ def test_every_d_rank_gets_exactly_its_heads(total: int, p_tp: int, d_tp: int) -
                 flat[la - L_BASE : la - L_BASE + ln] = sflat[ra - R_BASE : ra - R_BASE + rn]
         want = np.full_like(dst, -1.0)
         for t in range(start, start + n):
-            want[d_blocks[t // BS], :, :, t % BS] = full[p_blocks[t // BS], :, :, t % BS, h0 : h0 + nh]
+            want[d_blocks[t // BS], :, :, :, t % BS] = full[p_blocks[t // BS], :, :, h0 : h0 + nh, t % BS]
         np.testing.assert_array_equal(dst, want)  # its heads landed; every other byte is still -1
 
 
@@ -77,3 +77,48 @@ def test_step_meta_round_trip() -> None:
     windowed = StepMeta(recvs=[RecvTask("b", (0, 1, 2), 0, 9, PushSource("t", "h", 9, "e", 2), 0, tables)],
                         sends=[SendTask("c", (0, 1, 2), 10, "t", tables)])  # fmt: skip
     assert decode_meta(encode_meta(windowed)) == windowed
+
+
+def _whole_block_counts(total: int, p_tp: int, d_tp: int, blocks: int, layers: int) -> list[tuple[int, int]]:
+    """(descriptors, expected) per (D rank, producer) for `blocks` whole blocks, D's ids reversed (no runs merge):
+    one per (block, layer, K/V) for a head slice, one per block when the slice is every head of both ranks."""
+    out = []
+    for d_rank in range(d_tp):
+        _, nh = rank_heads(total, d_tp, d_rank)
+        local = BlockLayout(L_BASE, layers, 64, BS, nh * HD * 4, 0, nh)
+        for s in sources(total, p_tp, d_tp, d_rank):
+            _, ph = rank_heads(total, p_tp, s.producer_rank)
+            remote = BlockLayout(R_BASE, layers, 64, BS, ph * HD * 4, 0, ph)
+            segs = token_segments(local, list(range(blocks, 0, -1)), remote, list(range(blocks)), 0, blocks * BS)
+            lo, _ = descriptors(local, remote, segs, Heads(s.consumer_offset, s.producer_offset, s.num_heads))
+            out.append((len(lo), blocks if s.num_heads == nh == ph else blocks * layers * 2))
+    return out
+
+
+@pytest.mark.parametrize(("total", "p_tp", "d_tp"), [(8, 2, 1), (8, 1, 2), (8, 8, 4), (8, 4, 8), (2, 4, 1), (1, 1, 2)])
+def test_head_slice_of_whole_blocks_is_one_descriptor_per_block_layer_and_kv(total: int, p_tp: int, d_tp: int) -> None:
+    """Heads before tokens: a rank's head slice of a (block, layer, K/V) is one contiguous range on both sides."""
+    counts = _whole_block_counts(total, p_tp, d_tp, blocks=5, layers=3)
+    assert [got for got, _ in counts] == [want for _, want in counts]
+    assert any(want == 5 * 3 * 2 for _, want in counts) or (total, p_tp, d_tp) == (1, 1, 2)
+
+
+def test_padded_last_block_stays_one_descriptor_per_region() -> None:
+    """A partial last block is one descriptor per (region, head) of the slice; padded (pad_last_blocks) it is one
+    per region like the whole blocks, and a slice that is every head of both sides merges into the block runs."""
+    local = BlockLayout(L_BASE, LAYERS, NB, BS, 4 * HD * 4, 0, 4)  # D: 4 heads
+    remote = BlockLayout(R_BASE, LAYERS, NB, BS, 2 * HD * 4, 0, 2)  # a P rank: 2 of them
+    segs = token_segments(local, [0, 1], remote, [2, 0], 0, BS + 1)  # one whole block, one token of the next
+    heads = Heads(2, 0, 2)
+    assert len(descriptors(local, remote, segs, heads)[0]) == 2 * LAYERS + 2 * LAYERS * 2
+    padded = pad_last_blocks(local, remote, segs)
+    assert [s.num_tokens for s in padded] == [BS, BS]
+    assert len(descriptors(local, remote, padded, heads)[0]) == 2 * 2 * LAYERS
+    same = BlockLayout(R_BASE, LAYERS, NB, BS, 4 * HD * 4, 0, 4)  # equal TP: the padded run is one descriptor
+    segs = token_segments(local, [0, 1], same, [3, 0], 0, BS + 1)
+    assert len(descriptors(local, same, segs)[0]) == 1 + 2 * LAYERS * 4
+    segs = token_segments(local, [0, 1], same, [2, 3], 0, BS + 1)  # contiguous on both sides
+    assert len(descriptors(local, same, pad_last_blocks(local, same, segs))[0]) == 1
+    other = BlockLayout(R_BASE, LAYERS, NB, 2 * BS, 4 * HD * 4, 0, 4)  # block sizes differ: nothing padded
+    segs = token_segments(local, [0, 1], other, [1], 0, BS + 1)
+    assert pad_last_blocks(local, other, segs) == segs

@@ -1,39 +1,42 @@
-"""Layout math on the block-major cache: token ranges -> byte regions, merging, block-size translation (no NIXL,
-no torch)."""
+"""Layout math on the block-major cache (heads before tokens in a block): token ranges -> byte regions, merging,
+block-size translation, padded last blocks (no NIXL, no torch)."""
 
 import numpy as np
 import pytest
 
-from pdserve.transfer.layout import BlockLayout, LayoutError, descriptors, num_bytes, token_segments
+from pdserve.transfer.layout import BlockLayout, LayoutError, descriptors, num_bytes, pad_last_blocks, token_segments
 
-TB = 32  # token bytes
+TB = 32  # token bytes (of every head)
 
 
-def lay(block_size: int, num_blocks: int = 16, base: int = 1 << 20, layers: int = 2) -> BlockLayout:
-    return BlockLayout(base, layers, num_blocks, block_size, TB)
+def lay(block_size: int, num_blocks: int = 16, base: int = 1 << 20, layers: int = 2, heads: int = 1) -> BlockLayout:
+    return BlockLayout(base, layers, num_blocks, block_size, TB, 0, heads)
 
 
 def apply(segments, local: BlockLayout, remote: BlockLayout, src: np.ndarray, dst: np.ndarray) -> int:
     """Copy bytes the way the descriptors say (remote -> local), on flat byte arrays; returns the descriptor count."""
     lo, ro = descriptors(local, remote, segments)
+    assert int(lo[:, 1].sum()) == num_bytes(local, segments)
     for (la, n, _), (ra, n2, _) in zip(lo.tolist(), ro.tolist(), strict=True):
         assert n == n2
         dst[la - local.base_addr : la - local.base_addr + n] = src[ra - remote.base_addr : ra - remote.base_addr + n]
     return len(lo)
 
 
-def addr(layout: BlockLayout, block_ids, region: int, t: int) -> int:
-    """Byte offset of token t in a region, straight from the block-major definition."""
-    bs = layout.block_size
-    return block_ids[t // bs] * layout.block_stride + region * layout.region_bytes + (t % bs) * TB
+def addr(layout: BlockLayout, block_ids, region: int, head: int, t: int) -> int:
+    """Byte offset of token t's head in a region, straight from [blocks, layers, 2, heads, block_size, head]."""
+    bs, hb = layout.block_size, layout.head_bytes
+    return block_ids[t // bs] * layout.block_stride + region * layout.region_bytes + (head * bs + t % bs) * hb
 
 
 def reference(local: BlockLayout, lids, remote: BlockLayout, rids, start, n, src, dst) -> None:
-    """Token-by-token copy."""
+    """Token-by-token, head-by-head copy."""
+    hb = local.head_bytes
     for r in range(local.num_regions):
-        for t in range(start, start + n):
-            la, ra = addr(local, lids, r, t), addr(remote, rids, r, t)
-            dst[la : la + TB] = src[ra : ra + TB]
+        for h in range(local.num_heads):
+            for t in range(start, start + n):
+                la, ra = addr(local, lids, r, h, t), addr(remote, rids, r, h, t)
+                dst[la : la + hb] = src[ra : ra + hb]
 
 
 def runs(lids, rids) -> int:
@@ -41,8 +44,8 @@ def runs(lids, rids) -> int:
     return 1 + sum(1 for i in range(1, len(lids)) if lids[i] != lids[i - 1] + 1 or rids[i] != rids[i - 1] + 1)
 
 
-def check(lbs, rbs, lids, rids, start, n, layers=2) -> int:
-    local, remote = lay(lbs, layers=layers), lay(rbs, base=1 << 30, layers=layers)
+def check(lbs, rbs, lids, rids, start, n, layers=2, heads=1) -> int:
+    local, remote = lay(lbs, layers=layers, heads=heads), lay(rbs, base=1 << 30, layers=layers, heads=heads)
     src = np.random.default_rng(0).integers(0, 255, remote.num_blocks * remote.block_stride, dtype=np.uint8)
     got = np.zeros(local.num_blocks * local.block_stride, dtype=np.uint8)  # untouched bytes stay 0
     want = got.copy()
@@ -65,8 +68,9 @@ def check(lbs, rbs, lids, rids, start, n, layers=2) -> int:
         (4, 4, [9, 2, 14, 0, 7, 6, 5], [1, 12, 3, 8, 4, 5, 6], 4, 24),  # scrambled, prefix hit, whole blocks
     ],
 )
-def test_segments_match_token_by_token_copy(lbs, rbs, lids, rids, start, n):
-    check(lbs, rbs, lids, rids, start, n)
+@pytest.mark.parametrize("heads", [1, 4])
+def test_segments_match_token_by_token_copy(lbs, rbs, lids, rids, start, n, heads):
+    check(lbs, rbs, lids, rids, start, n, heads=heads)
 
 
 @pytest.mark.parametrize("layers", [1, 2, 5])
@@ -82,9 +86,27 @@ def test_equal_block_sizes_one_descriptor_per_contiguous_run(layers, seed):
     assert count == runs(lids, rids)  # independent of the number of layers
 
 
-def test_partial_last_block_is_one_descriptor_per_region():
+@pytest.mark.parametrize("heads", [1, 4])
+def test_partial_last_block_is_one_descriptor_per_region_and_head(heads):
     # blocks 3, 4 whole and contiguous on both sides (one descriptor), then 2 tokens of block 9 / 7 per region
-    assert check(4, 4, [3, 4, 9], [0, 1, 7], 0, 10) == 1 + 4
+    # and head (heads before tokens: each head's rows are apart)
+    assert check(4, 4, [3, 4, 9], [0, 1, 7], 0, 10, heads=heads) == 1 + 4 * heads
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_padded_last_block_is_the_whole_block(heads):
+    """pad_last_blocks: the last block moves whole (rows past the range too), merged into its run of blocks;
+    a first block that starts mid-block on either side is not padded."""
+    local, remote = lay(4, heads=heads), lay(4, base=1 << 30, heads=heads)
+    src = np.random.default_rng(1).integers(0, 255, remote.num_blocks * remote.block_stride, dtype=np.uint8)
+    got = np.zeros(local.num_blocks * local.block_stride, dtype=np.uint8)
+    want = got.copy()
+    segs = pad_last_blocks(local, remote, token_segments(local, [3, 4, 5], remote, [0, 1, 2], 0, 10))
+    assert apply(segs, local, remote, src, got) == 1
+    reference(local, [3, 4, 5], remote, [0, 1, 2], 0, 12, src, want)  # through the end of block 5 / 2
+    assert np.array_equal(got, want)
+    segs = token_segments(local, [3, 4], remote, [0, 1], 2, 4)  # rows 2, 3 of block 3 / 0, then 2 rows of 4 / 1
+    assert [s.num_tokens for s in pad_last_blocks(local, remote, segs)] == [2, 4]
 
 
 def test_whole_cache_is_one_descriptor():

@@ -126,7 +126,7 @@ def test_each_d_rank_gets_its_heads_and_p_frees_after_both() -> None:
     assert len(f.posts) == 1 and f.sends == []  # D rank 1 has not registered: P keeps its blocks
     _register(side, 1)
     assert [x.peer for x in f.posts] == ["d-r0", "d-r1"]
-    one_head = 6 * LAYERS * 2 * HEAD_DIM * ELEM  # tokens x layers x K/V x one head's bytes
+    one_head = 8 * LAYERS * 2 * HEAD_DIM * ELEM  # tokens (6, the last block whole) x layers x K/V x one head
     assert [x.num_bytes for x in f.posts] == [one_head, one_head]
     for rank in (0, 1):
         (done,) = f.to(f"d-r{rank}", PushDone)

@@ -58,7 +58,7 @@ def test_staged_pull_lands_in_mirror_until_finished(cl):
     kind, reason = d.wait_result("s1")
     assert kind == "finished", reason
     after = d.kv()
-    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 0, 13))  # exactly 13 tokens
+    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 0, 13, staged=True))  # exactly 13
     assert not np.array_equal(after, before)
     p.wait_send("p-s1")
 
@@ -92,5 +92,5 @@ def test_staged_push_lands_in_mirror_until_finished(cl):
     kind, reason = d.wait_result("d-ts1")
     assert kind == "finished", reason
     after = d.kv()
-    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 8, 9))
+    assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 8, 9, staged=True))
     assert not np.array_equal(after, before)

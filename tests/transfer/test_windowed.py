@@ -20,6 +20,7 @@ P_TABLES = [[5, 6, 9, 2, 0, 1], [STALE, STALE, STALE, 3, 4, 7]]
 D_TABLES = [[3, 4, 11, 12, 13, 14], [STALE, STALE, STALE, 8, 10, 15]]
 STAGED = Faults(force_staging=True)
 TOKEN_ROW_BYTES = 2 * 2 * 2 * 4 * 4  # 2 layers x K/V x 2 heads x 4 dims x float32, per token
+N_SENT = 24 + 24 - W_FIRST  # tokens on the wire: each group's last block (21 of 24 tokens) moves whole
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,11 @@ def cl():
     close_all(insts)
 
 
-def expected(before, p_kv):
-    """Group 0: tokens [0, 21) from P's group-0 blocks; group 1: tokens [12, 21) only."""
-    out = expected_kv(before, p_kv, D_TABLES[0], P_TABLES[0], 0, N_MOVED)
-    return expected_kv(out, p_kv, D_TABLES[1], P_TABLES[1], W_FIRST, N_MOVED - W_FIRST)
+def expected(before, p_kv, staged=False):
+    """Group 0: tokens [0, 21) from P's group-0 blocks; group 1: tokens [12, 21) only (each group's last block
+    whole unless D is staged: layout.pad_last_blocks)."""
+    out = expected_kv(before, p_kv, D_TABLES[0], P_TABLES[0], 0, N_MOVED, staged)
+    return expected_kv(out, p_kv, D_TABLES[1], P_TABLES[1], W_FIRST, N_MOVED - W_FIRST, staged)
 
 
 def test_info_carries_the_groups(cl):
@@ -66,10 +68,10 @@ def test_pull_moves_only_the_window(cl, staged):
     assert kind == "finished", reason
     p.wait_send("p-w1")  # the release named the pin's blocks exactly
     after = d.kv()
-    assert np.array_equal(after, expected(before, p_kv))
+    assert np.array_equal(after, expected(before, p_kv, staged == "_staged"))
     assert np.array_equal(after[[8, 10]], p_kv[[3, 4]])  # whole window blocks
     assert (after[[0, 1, 2, 5, 6, 7, 9]] == -1).all()  # blocks no table names (STALE ones included) untouched
-    assert d.call("stats")["received_bytes"] - received == (N_MOVED + N_MOVED - W_FIRST) * TOKEN_ROW_BYTES
+    assert d.call("stats")["received_bytes"] - received == N_SENT * TOKEN_ROW_BYTES
 
 
 @pytest.mark.parametrize("staged", ["", "_staged"])
@@ -84,8 +86,8 @@ def test_push_moves_only_the_window(cl, staged):
     kind, reason = d.wait_result("d-tw1")
     assert kind == "finished", reason
     p.wait_send("p-tw1")
-    assert np.array_equal(d.kv(), expected(before, p_kv))
-    assert p.call("stats")["sent_bytes"] - sent == (N_MOVED + N_MOVED - W_FIRST) * TOKEN_ROW_BYTES
+    assert np.array_equal(d.kv(), expected(before, p_kv, staged == "_staged"))
+    assert p.call("stats")["sent_bytes"] - sent == N_SENT * TOKEN_ROW_BYTES
 
 
 def test_prefix_hit_in_the_window_moves_only_the_rest(cl):

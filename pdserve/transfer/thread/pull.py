@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pdserve.transfer.base import RecvTask, SendTask, StepMeta
 from pdserve.transfer.faults import FaultPoint
-from pdserve.transfer.layout import LayoutError, descriptors, group_segments, num_bytes
+from pdserve.transfer.layout import LayoutError, descriptors, group_segments, num_bytes, pad_last_blocks
 from pdserve.transfer.params import PullSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
@@ -247,6 +247,7 @@ class PullCore:
                 segs = group_segments(self.ctx.layout, task.tables, peer.layout,
                                       remote.block_tables or (remote.block_ids,), self.ctx.spec.windows,
                                       task.start_token, task.num_tokens)  # fmt: skip
+                segs = pad_last_blocks(self.ctx.layout, peer.layout, segs)  # into D's fresh blocks: safe
                 local_descs, remote_descs = descriptors(self.ctx.layout, peer.layout, segs, heads)
                 xfer = self.ctx.post("READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory)
             except (LayoutError, AgentError) as e:

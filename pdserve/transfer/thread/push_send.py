@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.heads import num_producers
-from pdserve.transfer.layout import LayoutError, descriptors, group_ranges, group_segments
+from pdserve.transfer.layout import LayoutError, descriptors, group_ranges, group_segments, pad_last_blocks
 from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.peers import Peer
@@ -346,6 +346,7 @@ class SendSide:
                 self.ctx.layout, send.tables, peer.layout, msg.block_tables or [msg.block_ids], self.ctx.spec.windows,
                 msg.start_token, msg.num_tokens,
             )  # fmt: skip
+            segs = pad_last_blocks(self.ctx.layout, peer.layout, segs)  # D's fresh blocks: safe (its docstring)
             heads = self.ctx.heads_to(peer.info)  # this rank's slice of D's rank's heads (heads.py)
             if heads is not None:
                 local, remote = descriptors(self.ctx.layout, peer.layout, segs, heads)
