@@ -105,11 +105,17 @@ def test_queue_wait_deadline_answers_503(fresh_launcher: Launcher, tiny_llama: P
     """One sequence runs at a time: a request queued behind a long stream gets no first token within 50 ms."""
     inst = fresh_launcher.serve(tiny_llama, "--kv-role", "both", "--max-num-seqs", "1", "--max-queue-wait-s", "0.05")
     fresh_launcher.wait_ready()
-    with httpx.stream("POST", inst.url + "/v1/completions", json=LONG_STREAM, timeout=60) as first:
-        lines = first.iter_lines()
-        assert next(lines).startswith("data: ")  # running, and holding the only sequence slot
-        waited = post(inst.url, "/v1/completions", {"prompt": "y", "max_tokens": 2})
-        assert sum(1 for line in lines if line.startswith("data: {")) > 0  # the first stream is unharmed
+    waited = None
+    for _ in range(5):  # on a loaded machine the first stream itself may miss the 50 ms deadline: try again
+        with httpx.stream("POST", inst.url + "/v1/completions", json=LONG_STREAM, timeout=60) as first:
+            lines = first.iter_lines()
+            if first.status_code == 503:
+                continue
+            assert next(lines).startswith("data: ")  # running, and holding the only sequence slot
+            waited = post(inst.url, "/v1/completions", {"prompt": "y", "max_tokens": 2})
+            assert sum(1 for line in lines if line.startswith("data: {")) > 0  # the first stream is unharmed
+            break
+    assert waited is not None, "the first stream never started within its deadline"
     assert waited.status_code == 503, waited.text
     assert waited.headers["Retry-After"] == "1"
     assert "no first token within 0.05 s" in waited.json()["error"]["message"]
