@@ -38,7 +38,7 @@ def paged_attention(
     k: torch.Tensor | None = None,  # [T, num_kv_heads, head_dim]: this step's keys, lets CUDA skip the gather
     v: torch.Tensor | None = None,
     window: int | None = None,  # sliding window: keys a query sees, itself included; None = whole context
-    cpu_kernel: bool = True,  # False: the CPU takes the portable torch path throughout (tests and benchmarks compare)
+    cpu_kernel: bool = True,  # False: CPU decode rows take the portable torch path (tests and benchmarks compare)
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached context; returns [T, num_heads, head_dim].
 
@@ -48,9 +48,9 @@ def paged_attention(
 
     On CUDA with k and v given (and Triton present), full-context layers dispatch to
     cuda_attention.paged_attention_cuda; windowed layers take this portable path on every device. On the CPU
-    (float32, C compiler present) decode rows and prefill spans with cached context before them (a later chunk,
-    a prefix-cache hit), windowed or not, take cpu_attention's in-place kernels; a whole prompt in one step takes
-    torch's fused SDPA over this step's k and v (no cache read at all).
+    (float32, C compiler present) decode rows, windowed or not, take cpu_attention's in-place decode kernel; a
+    prefill span with cached context gathers it and takes torch's fused SDPA (cpu_attention.paged_prefill reads
+    it in place and gives the same output, but measured slower: see its module docstring).
     """
     if window is None and k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
         from pdserve.model.cuda_attention import paged_attention_cuda
@@ -66,10 +66,6 @@ def paged_attention(
     for span in ctx.prefills:
         rows = slice(span.query_start, span.query_start + span.num_query)
         offset = span.context_len - span.num_query  # tokens cached before this chunk
-        if lib is not None and (offset > 0 or k is None or v is None):  # context in the cache: read in place
-            tbl, n = span.block_table, span.context_len
-            out[rows] = cpu_attention.paged_prefill(lib, q[rows], k_cache, v_cache, tbl, n, scale, window)
-            continue
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, nq, d]: 4-D takes torch's fused CPU kernel (~4x)
         # first key position any query of this span sees; windowed: gather from its block on
         first = 0 if window is None else max(0, offset - window + 1) // bs * bs

@@ -1,6 +1,10 @@
 """Paged attention on the CPU that reads the block-major KV cache in place (csrc/paged_decode.c): decode rows,
 and prefill spans with cached context before them (chunked prefill, a prefix-cache hit).
 
+attention.py serves decode rows with the decode kernel. The prefill kernel equals the portable path
+(tests/model/test_cpu_attention.py) but is not dispatched yet: measured 2-3x slower than gathering the prefix
+(a cheap copy next to the attention itself) and torch's fused SDPA, its scalar expf being the main cost.
+
 The kernel is plain C with OpenMP, built with the system C compiler on first use (or ahead of time by `make
 install`: `python -m pdserve.model.cpu_attention`) into ~/.cache/pdserve/kernels/ (XDG_CACHE_HOME respected),
 one file per source, flags and CPU, and loaded through ctypes: no torch headers, no ninja. It links the
