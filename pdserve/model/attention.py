@@ -62,7 +62,6 @@ def paged_attention(
     group = num_heads // num_kv_heads
     k_cache, v_cache = layer_cache[0], layer_cache[1]
     bs = ctx.block_size
-    lib = cpu_attention.decode_kernel() if cpu_kernel and cpu_attention.fits(q, k_cache, v_cache) else None
     for span in ctx.prefills:
         rows = slice(span.query_start, span.query_start + span.num_query)
         offset = span.context_len - span.num_query  # tokens cached before this chunk
@@ -94,6 +93,7 @@ def paged_attention(
     if d is None:
         return out
     qd = q if d.rows_are_all else q.index_select(0, d.rows)  # [B, num_heads, head_dim]
+    lib = cpu_attention.decode_kernel() if cpu_kernel and cpu_attention.fits(q, k_cache, v_cache) else None
     if lib is not None:
         od = cpu_attention.paged_decode(lib, qd, k_cache, v_cache, d, scale, window)
     elif window is not None:
