@@ -21,6 +21,8 @@ PORT_PD=${PORT_PD:-8311}
 PORT_VL=${PORT_VL:-8312}
 NAME=smollm2-135m
 VPY=$R/venv/bin/python
+PY=${PY:-.venv/bin/python}  # pdserve's interpreter (a worktree without its own venv: PY=/path/to/.venv/bin/python)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's pdserve, whatever the venv has installed
 VCLI=$R/vllm_cli.py
 mkdir -p "$OUT"
 PID=
@@ -35,7 +37,7 @@ wait_ready() {  # url pid
 }
 
 start_pdserve() {  # tag
-  setsid timeout 1800 .venv/bin/pdserve serve smollm2-135m --kv-role both --num-threads 2 --port "$PORT_PD" \
+  setsid timeout 1800 "$PY" -m pdserve.cli serve smollm2-135m --kv-role both --num-threads 2 --port "$PORT_PD" \
     --served-model-name "$NAME" --max-model-len 2048 >"$OUT/server_pdserve_$1.log" 2>&1 &
   PID=$!
   wait_ready "http://127.0.0.1:$PORT_PD" "$PID"
@@ -68,7 +70,7 @@ vllm_bench() {  # url tag seed num_prompts concurrency
 }
 
 pdserve_bench() {  # url tag seed num_prompts concurrency
-  timeout 600 .venv/bin/pdserve bench --base-url "$1" --model "$NAME" --tokenizer smollm2-135m \
+  timeout 600 "$PY" -m pdserve.cli bench --base-url "$1" --model "$NAME" --tokenizer smollm2-135m \
     --input-len 512 --output-len 64 --num-prompts "$4" --max-concurrency "$5" --ignore-eos --seed "$3" \
     --temperature 0 --disable-tqdm --result-dir "$OUT" --result-filename "$2.json" >"$OUT/$2.log" 2>&1
   grep -E "Output token throughput|Median TTFT|Median TPOT" "$OUT/$2.log" | sed "s/^/  $2: /"
@@ -79,7 +81,7 @@ measure() {  # server round url
   echo "== $s round $r  load: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "$s $r start $(cut -d' ' -f1-3 /proc/loadavg)" >>"$OUT/loadavg.txt"
   if [ "$r" = 1 ] && [ ! -f "$OUT/greedy_$s.json" ]; then  # kept from an earlier run into the same $OUT
-    timeout 600 .venv/bin/python scripts/vs_vllm_greedy.py query --base-url "$url" --model "$NAME" \
+    timeout 600 "$PY" scripts/vs_vllm_greedy.py query --base-url "$url" --model "$NAME" \
       --text-ids "$OUT/text_ids.json" --out "$OUT/greedy_$s.json"
   fi
   vllm_bench "$url" "warmup_${s}_r$r" $((900 + r)) 2 1 >/dev/null  # untimed: first-request costs
@@ -109,6 +111,6 @@ for r in $(seq 1 "$ROUNDS"); do
   start_pdserve "r$r"; measure pdserve "$r" "http://127.0.0.1:$PORT_PD"; stop_server
   start_vllm "r$r"; measure vllm "$r" "http://127.0.0.1:$PORT_VL"; stop_server
 done
-.venv/bin/python scripts/vs_vllm_greedy.py compare "$OUT/greedy_pdserve.json" "$OUT/greedy_vllm.json" \
+"$PY" scripts/vs_vllm_greedy.py compare "$OUT/greedy_pdserve.json" "$OUT/greedy_vllm.json" \
   --out "$OUT/greedy_compare.json"
-.venv/bin/python scripts/vs_vllm_summary.py "$OUT" docs/results/cpu/vs_vllm.json
+"$PY" scripts/vs_vllm_summary.py "$OUT" docs/results/cpu/vs_vllm.json

@@ -123,12 +123,16 @@ def main() -> None:
 
     # the bare ops: one decode-size linear vs the same FLOPs as a single matmul, and lm_head alone
     x = torch.randn(1, 576)
-    w = decoder.layers[0].gate_up_proj.weight
+    w = decoder.layers[0].gate_up_proj.weight  # column-major in memory (decoder.use_column_major_linears)
+    w_rows = w.contiguous()  # the same weight with rows contiguous, as nn.Linear stores it
     emb = decoder.embed_tokens.weight
-    for name, fn in (
-        ("gate_up linear [1,576]x[3072,576]^T", lambda: torch.nn.functional.linear(x, w)),
-        ("lm_head linear [1,576]x[49152,576]^T", lambda: torch.nn.functional.linear(x, emb)),
-    ):
+    f = torch.nn.functional
+    cases = [("lm_head linear [1,576]x[49152,576]^T", lambda: f.linear(x, emb))]
+    for m in (1, 8, 512):
+        xm = torch.randn(m, 576)
+        cases.append((f"gate_up linear [{m},576]x[3072,576]^T, column-major", lambda xm=xm: f.linear(xm, w)))
+        cases.append((f"gate_up linear [{m},576]x[3072,576]^T, row-major", lambda xm=xm: f.linear(xm, w_rows)))
+    for name, fn in cases:
         for _ in range(5):
             fn()
         ts = []

@@ -49,7 +49,9 @@ def paged_attention(
     On CUDA with k and v given (and Triton present), every layer, windowed or not, dispatches to
     cuda_attention.paged_attention_cuda (the same function: tiled flash prefill, a Triton decode kernel that
     starts at the window). On the CPU (float32, C compiler present) decode rows, windowed or not, take
-    cpu_attention's in-place kernel; everything else takes the portable torch code below.
+    cpu_attention's in-place decode kernel; a prefill span with cached context gathers it and takes torch's
+    fused SDPA (cpu_attention.paged_prefill reads it in place and gives the same output, but measured slower:
+    see its module docstring); everything else takes the portable torch code below.
     """
     if k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
         from pdserve.model.cuda_attention import paged_attention_cuda

@@ -1,4 +1,9 @@
-"""Paged decode attention on the CPU that reads the block-major KV cache in place (csrc/paged_decode.c).
+"""Paged attention on the CPU that reads the block-major KV cache in place (csrc/paged_decode.c): decode rows,
+and prefill spans with cached context before them (chunked prefill, a prefix-cache hit).
+
+attention.py serves decode rows with the decode kernel. The prefill kernel equals the portable path
+(tests/model/test_cpu_attention.py) but is not dispatched yet: measured 2-3x slower than gathering the prefix
+(a cheap copy next to the attention itself) and torch's fused SDPA, its scalar expf being the main cost.
 
 The kernel is plain C with OpenMP, built with the system C compiler on first use (or ahead of time by `make
 install`: `python -m pdserve.model.cpu_attention`) into ~/.cache/pdserve/kernels/ (XDG_CACHE_HOME respected),
@@ -28,7 +33,7 @@ import torch
 from pdserve.model.paged import DecodeBatch
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-ABI = 1  # pdserve_paged_decode_abi() of the source this module calls
+ABI = 2  # pdserve_paged_decode_abi() of the source this module calls
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
 
@@ -82,6 +87,10 @@ def load(path: Path) -> ctypes.CDLL | None:
     fn.argtypes = [_f32p, _f32p, _f32p, _i64, _i64, _i64, _i64p, _i64, _i64p]
     fn.argtypes += [_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _f32p]
     fn.restype = None
+    pf = lib.pdserve_paged_prefill_f32
+    pf.argtypes = [_f32p, _f32p, _f32p, _i64, _i64, _i64, _i64p, _i64, _i64, _i64, _i64, _i64, _i64, _i64]
+    pf.argtypes += [ctypes.c_float, _f32p]
+    pf.restype = None
     return lib
 
 
@@ -136,6 +145,45 @@ def paged_decode(
         tables.shape[1],
         lens.data_ptr(),
         bsz,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        window or 0,
+        scale,
+        out.data_ptr(),
+    )
+    return out
+
+
+def paged_prefill(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [num_query, num_heads, head_dim] float32: one span's new tokens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided layer view)
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [>= ceil(context_len / block_size)] int64
+    context_len: int,  # tokens with KV after this step, the span's own included (already written)
+    scale: float,
+    window: int | None,  # keys a query sees, itself included; None = whole context
+) -> torch.Tensor:
+    """Causal attention of one prefill span over its cached context, read in place: [num_query, num_heads,
+    head_dim] (see the C source)."""
+    q = q.contiguous()
+    table = block_table.contiguous()
+    num_query, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    block_stride, row_stride, head_stride, _ = k_cache.stride()
+    lib.pdserve_paged_prefill_f32(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_stride,
+        row_stride,
+        head_stride,
+        table.data_ptr(),
+        num_query,
+        context_len,
         num_heads,
         num_kv_heads,
         head_dim,

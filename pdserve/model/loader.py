@@ -27,7 +27,7 @@ import torch
 from pdserve.config import ConfigError, ModelConfig
 from pdserve.model.arch import ModelArch
 from pdserve.model.builtin import builtin_gguf_path, builtin_names, is_builtin
-from pdserve.model.decoder import Decoder, RMSNorm
+from pdserve.model.decoder import Decoder, RMSNorm, use_column_major_linears
 from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 from pdserve.model.presets import get_preset, is_preset, preset_names
 from pdserve.model.tokenizer import Tokenizer
@@ -74,6 +74,8 @@ def load_model(
         _check_all_used(weights, folder)
         tokenizer = load_tokenizer(folder, arch)
     decoder.eval().requires_grad_(False)
+    if device_.type == "cpu":
+        use_column_major_linears(decoder)
     return LoadedModel(name, arch, decoder, tokenizer, _max_model_len(cfg, arch))
 
 

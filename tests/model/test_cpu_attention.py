@@ -69,3 +69,42 @@ def test_same_tokens(family: str, tiny_model_dirs: dict[str, Path]) -> None:
         llm.engine.runner.decoder.use_cpu_kernel = kernel
         outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams.greedy(24))])
     assert outs[0] == outs[1]
+
+
+def _hnd(kv: torch.Tensor) -> torch.Tensor:
+    """The same block-major cache, heads before tokens inside each block (strides, not values, differ)."""
+    n, layers, two, bs, hkv, d = kv.shape
+    return kv.permute(0, 1, 2, 4, 3, 5).contiguous().permute(0, 1, 2, 4, 3, 5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 1, 6, 13])
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_prefill_over_cache_equals_portable(window: int | None, heads_first: bool) -> None:
+    """The prefill kernel over cached context (later chunks, ragged, GQA, shuffled blocks) reads the cache in
+    place and equals the portable gather-and-SDPA path, windows and both in-block
+    layouts included; entries before a window's first needed block are stale (out of range: never read)."""
+    gen = torch.Generator().manual_seed(7 + (window or 0))
+    num_blocks, num_layers, bs, h, hkv, d = 60, 2, 4, 6, 2, 16
+    kv = torch.randn(num_blocks, num_layers, 2, bs, hkv, d, generator=gen)
+    layer = (_hnd(kv) if heads_first else kv)[:, 1].transpose(0, 1)  # [2, nb, bs, hkv, d] in either stride order
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    spans, row = [], 0
+    for num_query, context_len in [(5, 9), (21, 38), (1, 3), (16, 16 + 17)]:  # (new tokens, context after step)
+        used = [perm.pop() for _ in range(-(-context_len // bs))]
+        if window is not None:  # the span's first query sees keys from offset - window + 1 on
+            stale = max(0, context_len - num_query - window + 1) // bs
+            used[:stale] = [10**6] * stale
+        spans.append(PrefillSpan(row, num_query, context_len, torch.tensor(used)))
+        row += num_query
+    q = torch.randn(row, h, d, generator=gen)
+    ctx = AttentionContext(torch.zeros(row, dtype=torch.long), spans, None, bs)
+    portable = paged_attention(q, layer, ctx, 0.3, None, None, window, cpu_kernel=False)
+    lib = cpu_attention.decode_kernel()
+    assert lib is not None
+    k_cache, v_cache = layer[0], layer[1]
+    for span in spans:
+        rows = slice(span.query_start, span.query_start + span.num_query)
+        table, n = span.block_table, span.context_len
+        ours = cpu_attention.paged_prefill(lib, q[rows], k_cache, v_cache, table, n, 0.3, window)
+        torch.testing.assert_close(ours, portable[rows])
