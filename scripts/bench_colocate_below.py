@@ -76,16 +76,21 @@ def class_metrics(outputs: list[RequestOutput], duration: float, goodput: dict[s
 
 def summarize(runs: list[tuple[list[RequestOutput], float]], args: argparse.Namespace) -> dict[str, Any]:
     goodput = parse_goodput(args.goodput)
+    loose = parse_goodput(args.loose_goodput)
     outputs = [o for outs, _ in runs for o in outs]
     duration = sum(d for _, d in runs)
     short = [o for o in outputs if o.request_id.rsplit("-", 2)[-2] == "s"]
     long = [o for o in outputs if o.request_id.rsplit("-", 2)[-2] == "l"]
-    return {
-        "duration_s": duration,
-        "all": class_metrics(outputs, duration, goodput),
-        "short": class_metrics(short, duration, goodput),
-        "long": class_metrics(long, duration, goodput),
-    }
+    summary: dict[str, Any] = {"duration_s": duration}
+    for cls, outs in (("short", short), ("long", long), ("all", outputs)):
+        summary[cls] = class_metrics(outs, duration, goodput)
+        summary[cls]["loose_slo_attainment"] = class_metrics(outs, duration, loose)["slo_attainment"]
+    return summary
+
+
+def per_round_ratios(rounds: list[dict[str, dict[str, Any]]], name: str, cls: str, key: str) -> list[float | None]:
+    """`key` of configuration `name` over "off" in the same round, round by round."""
+    return [ratio(r[name][cls][key], r["off"][cls][key]) for r in rounds if name in r and "off" in r]
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -104,6 +109,13 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads per instance")
     ap.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], metavar="SLO:MS")
+    ap.add_argument(
+        "--loose-goodput",
+        nargs="+",
+        default=["ttft:5000", "tpot:400"],
+        metavar="SLO:MS",
+        help="a second SLO whose attainment is reported too (a busy 2-core machine misses the first)",
+    )
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/pdserve-colocate-below"))
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/cpu/colocate_below.json")
     args = ap.parse_args()
@@ -112,6 +124,7 @@ def main() -> int:
     vocab = load_vocab(MODEL)
     options = ServerOptions(MODEL, num_threads=args.num_threads, max_model_len=2048)
     runs: dict[str, list[tuple[list[RequestOutput], float]]] = {name: [] for name in names}
+    rounds: list[dict[str, dict[str, Any]]] = []  # per round: configuration -> its summary
     with Deployment(options, "push", args.log_dir) as deployment:
         urls = {"off": deployment.router_url}
         routers = []
@@ -125,6 +138,7 @@ def main() -> int:
                 client = ClientConfig(urls[name] + "/v1/completions", MODEL, False, ignore_eos=True)
                 asyncio.run(run_load(client, warm, LoadConfig(show_progress=False)))
             for r in range(args.rounds):
+                rounds.append({})
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     seed = 1000 * (r + 1) + names.index(name) * 10
                     requests = workload(vocab, args, seed, f"r{r}{name}")
@@ -132,7 +146,7 @@ def main() -> int:
                     load = LoadConfig(request_rate=args.rate, seed=seed, show_progress=False)
                     outputs, duration = asyncio.run(run_load(client, requests, load))
                     runs[name].append((outputs, duration))
-                    s = summarize([(outputs, duration)], args)
+                    s = rounds[-1][name] = summarize([(outputs, duration)], args)
                     short_ms, long_ms = s["short"]["median_ttft_ms"], s["long"]["median_ttft_ms"]
                     print(f"round {r} {name:>5}: median TTFT short {short_ms:.0f} ms, long {long_ms:.0f} ms; "
                           f"failed {s['all']['failed']}", flush=True)  # fmt: skip
@@ -142,7 +156,7 @@ def main() -> int:
     results = {name: summarize(runs[name], args) for name in names}
     base = results["off"] if "off" in results else None
     print(f"\n{'threshold':>9} {'class':>5} {'TTFT med':>9} {'TPOT med':>9} {'goodput':>8} {'attain':>7} "
-          f"{'TTFT/off':>9} {'TPOT/off':>9} {'gput/off':>9}")  # fmt: skip
+          f"{'loose':>6} {'TTFT/off':>9} {'TPOT/off':>9} {'gput/off':>9}  TTFT/off per round")  # fmt: skip
     for name in names:
         for cls in ("short", "long", "all"):
             c = results[name][cls]
@@ -151,14 +165,18 @@ def main() -> int:
                 "median_ttft": ratio(c["median_ttft_ms"], b.get("median_ttft_ms")),
                 "median_tpot": ratio(c["median_tpot_ms"], b.get("median_tpot_ms")),
                 "request_goodput": ratio(c["request_goodput"], b.get("request_goodput")),
+                "median_ttft_per_round": per_round_ratios(rounds, name, cls, "median_ttft_ms"),
+                "median_tpot_per_round": per_round_ratios(rounds, name, cls, "median_tpot_ms"),
             }
             v = c["vs_off"]
             print(f"{name:>9} {cls:>5} {c['median_ttft_ms']:>9.0f} {c['median_tpot_ms'] or 0:>9.1f} "
-                  f"{c['request_goodput']:>8.3f} {c['slo_attainment']:>7.2f} {v['median_ttft'] or 0:>9.2f} "
-                  f"{v['median_tpot'] or 0:>9.2f} {v['request_goodput'] or 0:>9.2f}")  # fmt: skip
+                  f"{c['request_goodput']:>8.3f} {c['slo_attainment']:>7.2f} {c['loose_slo_attainment']:>6.2f} "
+                  f"{v['median_ttft'] or 0:>9.2f} {v['median_tpot'] or 0:>9.2f} {v['request_goodput'] or 0:>9.2f}  "
+                  f"{v['median_ttft_per_round']}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"config": config, "mode": "push 1P1D", "results": results}, indent=1) + "\n")
+    summary = {"config": config, "mode": "push 1P1D", "results": results, "rounds": rounds}
+    args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"-> {args.out}")
     return 0
 
