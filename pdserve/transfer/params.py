@@ -3,6 +3,9 @@
 The wire format is vLLM's (a JSON object under `kv_transfer_params` in request and response bodies), so
 vLLM-style proxies fit; every key is named once below, `decode`/`decode_answer` read it and `encode` writes
 it. Past the edge only the typed values travel (server -> engine -> Request -> connector -> transfer thread).
+A vLLM prefill instance's answer decodes too (its per-KV-group `remote_block_ids` with one group, extra keys
+such as dcp_size ignored), so pdserve's router can check it before relaying it verbatim to a vLLM decode
+instance (docs/architecture.md, "Working with vLLM").
 
 What a request carries (`KVTransferParams`):
   RemoteDecode  P: hand this request's KV to a decode instance (`do_remote_decode`; push adds `transfer_id`)
@@ -188,20 +191,12 @@ def decode_answer(raw: object) -> KVAnswer | None:
 
 
 def _pull_source(raw: dict[str, Any]) -> PullSource:
-    ids = raw.get(REMOTE_BLOCK_IDS)
-    if REMOTE_BLOCK_IDS not in raw:
-        raise KVParamsError(REMOTE_BLOCK_IDS, "missing (needed for a pull)")
-    if not isinstance(ids, list) or len(ids) > MAX_BLOCKS:
-        raise KVParamsError(REMOTE_BLOCK_IDS, f"must be a list of at most {MAX_BLOCKS} block ids, got {_show(ids)}")
-    if any(type(b) is not int or not 0 <= b <= MAX_BLOCK_ID for b in ids):
-        bad = next(b for b in ids if type(b) is not int or not 0 <= b <= MAX_BLOCK_ID)
-        raise KVParamsError(REMOTE_BLOCK_IDS, f"must hold block ids in [0, {MAX_BLOCK_ID}], got {_show(bad)}")
     src = PullSource(
         _str(raw, REMOTE_HOST, MAX_ID_LEN),
         _int(raw, REMOTE_PORT, 1, MAX_PORT),
         _opt_str(raw, REMOTE_ENGINE_ID, MAX_ID_LEN),
         _str(raw, REMOTE_REQUEST_ID, MAX_REQUEST_ID_LEN),
-        tuple(ids),
+        _block_ids(raw),
         _int(raw, REMOTE_NUM_TOKENS, 0, MAX_TOKENS),
         _opt_int(raw, REMOTE_BLOCK_SIZE, 1, MAX_BLOCK_SIZE),
         _opt_int(raw, TP_SIZE, 1, MAX_TP_SIZE) or 1,
@@ -215,6 +210,29 @@ def _pull_source(raw: dict[str, Any]) -> PullSource:
             f"{min(len(t) for t in tables)} blocks of {src.block_size} tokens cannot hold {src.num_tokens} tokens",
         )
     return src
+
+
+def _block_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """remote_block_ids: a list of block ids, or vLLM's per-KV-group form (a list of one such list, as vLLM's
+    NixlConnector answers; several groups, a hybrid vLLM model, are refused: pdserve names its groups in
+    remote_block_tables with other semantics)."""
+    if REMOTE_BLOCK_IDS not in raw:
+        raise KVParamsError(REMOTE_BLOCK_IDS, "missing (needed for a pull)")
+    ids = raw[REMOTE_BLOCK_IDS]
+    if isinstance(ids, list) and ids and all(isinstance(group, list) for group in ids):
+        if len(ids) != 1:
+            raise KVParamsError(
+                REMOTE_BLOCK_IDS,
+                f"vLLM's per-KV-group form with {len(ids)} groups (a hybrid or sliding-window vLLM model) is not "
+                "supported; one group is",
+            )
+        ids = ids[0]
+    if not isinstance(ids, list) or len(ids) > MAX_BLOCKS:
+        raise KVParamsError(REMOTE_BLOCK_IDS, f"must be a list of at most {MAX_BLOCKS} block ids, got {_show(ids)}")
+    if any(type(b) is not int or not 0 <= b <= MAX_BLOCK_ID for b in ids):
+        bad = next(b for b in ids if type(b) is not int or not 0 <= b <= MAX_BLOCK_ID)
+        raise KVParamsError(REMOTE_BLOCK_IDS, f"must hold block ids in [0, {MAX_BLOCK_ID}], got {_show(bad)}")
+    return tuple(ids)
 
 
 def _block_tables(raw: dict[str, Any]) -> tuple[tuple[int, ...], ...]:

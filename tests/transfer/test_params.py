@@ -52,6 +52,25 @@ def test_vllm_pull_answer_without_mode_is_a_pull():
     assert decode(PUSH) == PushSource("t", "127.0.0.1", 5600, None)
 
 
+# what vLLM 0.32's NixlConnector (pull) answers for a finished prefill: one list of block ids per KV group
+VLLM_ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[4, 5, 6]],
+               "remote_engine_id": "e-1", "remote_request_id": "cmpl-1-0", "remote_host": "127.0.0.1",
+               "remote_port": 5701, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 40,
+               "remote_blocks_expiry_time": None, "transfer_mode": "pull"}  # fmt: skip
+
+
+def test_vllm_prefill_answer_decodes():
+    """pdserve's router checks a vLLM P's answer before relaying it; one KV group is a flat table."""
+    assert decode_answer(VLLM_ANSWER) == PullSource("127.0.0.1", 5701, "e-1", "cmpl-1-0", (4, 5, 6), 40, None)
+
+
+def test_vllm_answer_with_several_kv_groups_is_refused():
+    with pytest.raises(KVParamsError, match="^kv_transfer_params.remote_block_ids: vLLM's per-KV-group form with 2"):
+        decode_answer(dict(VLLM_ANSWER, remote_block_ids=[[1, 2], [3]]))
+    with pytest.raises(KVParamsError, match="block ids in"):
+        decode_answer(dict(VLLM_ANSWER, remote_block_ids=[[1, -2]]))
+
+
 BAD = [
     (PULL, "remote_num_tokens", None, "missing"),
     (PUSH, "transfer_id", None, "missing"),
