@@ -99,8 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="split the model over this many ranks, one process each (rank 0 serves HTTP and schedules; the "
-        "others are spawned and joined at shutdown); gloo on the CPU, NCCL on CUDA (rank r uses GPU r), "
-        "eager decode on CUDA (no CUDA graphs yet); attention heads must divide; with --kv-role prefill/decode "
+        "others are spawned and joined at shutdown); gloo on the CPU, NCCL on CUDA (rank r uses GPU r; every rank "
+        "replays the same decode CUDA graphs); attention heads must divide; with --kv-role prefill/decode "
         "each rank transfers its KV heads "
         "(default 1)",
     )
