@@ -9,7 +9,14 @@ import time
 import pytest
 from harness import Instance
 
-from pdserve.transfer.thread.netdev import advertised_address, interface_addresses, interface_of, ucx_net_devices
+from pdserve.transfer.thread.netdev import (
+    UCX_CUDA_IPC_GET,
+    advertised_address,
+    enable_cuda_ipc_get,
+    interface_addresses,
+    interface_of,
+    ucx_net_devices,
+)
 
 
 def test_net_devices_choice() -> None:
@@ -19,6 +26,14 @@ def test_net_devices_choice() -> None:
     assert ucx_net_devices("127.0.0.1", "mlx5_0:1", {}) == "mlx5_0:1"  # --kv-net-devices wins
     assert ucx_net_devices("127.0.0.1", None, {"UCX_NET_DEVICES": "eth0"}) is None  # the operator's own
     assert ucx_net_devices("0.0.0.0", None, {}) is None  # wildcard: left alone (with a warning)
+
+
+def test_cuda_ipc_get_enabled_unless_the_operator_chose() -> None:
+    # UCX's "auto" turns cuda_ipc GET off without NVLink: pull's READ then ran emulated over TCP (netdev.py)
+    env: dict[str, str] = {}
+    assert enable_cuda_ipc_get(env) and env == {UCX_CUDA_IPC_GET: "y"}
+    env = {UCX_CUDA_IPC_GET: "n"}
+    assert not enable_cuda_ipc_get(env) and env == {UCX_CUDA_IPC_GET: "n"}  # the operator's own, kept
 
 
 def test_advertised_address() -> None:

@@ -1,4 +1,5 @@
-"""Where NIXL's data plane (UCX) may listen: the operator's choice, else the side channel's interface.
+"""Where NIXL's data plane (UCX) may listen: the operator's choice, else the side channel's interface; and
+that UCX may READ from another process's GPU memory directly (cuda_ipc GET, `enable_cuda_ipc_get`).
 
 UCX opens its own listeners (the TCP transport listens on every interface it is allowed to use) and reads
 its configuration from the environment when the NIXL agent creates its UCX context. So before the agent
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 UCX_NET_DEVICES = "UCX_NET_DEVICES"
+UCX_CUDA_IPC_GET = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -113,3 +115,21 @@ def restrict_ucx(side_channel_host: str, override: str | None) -> None:
     if value is not None:
         os.environ[UCX_NET_DEVICES] = value
         log.info("UCX data plane restricted to %s", value)
+
+
+def enable_cuda_ipc_get(environ: dict[str, str] | None = None) -> bool:
+    """Let UCX's cuda_ipc transport serve GETs (pull's READ) too, unless the operator set UCX_CUDA_IPC_ENABLE_GET_ZCOPY.
+    True when this call set it. Call before the NIXL agent exists (UCX reads it when the agent is created).
+
+    UCX's default ("auto") turns cuda_ipc GET off on a GPU without active NVLinks (concurrent reads were slower
+    than puts over PCIe in its all-to-all benchmarks). cuda_ipc PUT (push's WRITE) stays on, but a READ then
+    falls back to UCX's *software-emulated* GET over TCP (UCX_PROTO_INFO=y: "remote memory read by ucp_get* into
+    cuda ... software emulation | tcp/lo"): P's worker answers the GET with active messages from its own polling,
+    ~0.5 GB/s, READs from one P share that one ordered stream (each waits for those posted before it) and P's
+    PullReleaseAck queues behind every READ in flight. Seen on one H200 without NVLink (P and D on GPU 0): a
+    1.4 GB Gemma-3 READ took 2.5-3 s and acks came seconds late (docs/architecture.md, pull step 5)."""
+    env = os.environ if environ is None else environ
+    if env.get(UCX_CUDA_IPC_GET):
+        return False
+    env[UCX_CUDA_IPC_GET] = "y"
+    return True

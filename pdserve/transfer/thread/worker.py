@@ -24,7 +24,7 @@ from pdserve.transfer.thread.agent import AgentError, NixlAgent
 from pdserve.transfer.thread.context import ModeCore, TransferContext
 from pdserve.transfer.thread.handshake import SideChannel
 from pdserve.transfer.thread.loop import TransferLoop
-from pdserve.transfer.thread.netdev import restrict_ucx
+from pdserve.transfer.thread.netdev import enable_cuda_ipc_get, restrict_ucx
 from pdserve.transfer.thread.peers import Peers
 from pdserve.transfer.thread.results import ResultSink
 from pdserve.transfer.wire import (
@@ -138,6 +138,8 @@ class NixlWorker(ConnectorWorker):
             kv_cache, spec = stager.mirror, stager.spec(spec)
         # the advertised address, not a wildcard bind: UCX listens where peers are told to dial (netdev.py)
         restrict_ucx(self.side.host, self.cfg.net_devices)  # UCX reads it when the agent is created
+        if spec.memory == "VRAM":  # (on a host without CUDA, UCX would warn the variable is unused)
+            enable_cuda_ipc_get()  # pull's READ by cuda_ipc, not emulated over TCP, on GPUs without NVLink
         agent = NixlAgent(name, kv_cache, spec)
         local = local_peer_info(self.cfg, spec, agent, self.epoch)
         peers = Peers(agent, local, self.side, self.thread, self.cfg.heartbeat_s, self.cfg.peer_timeout_s)
