@@ -5,7 +5,7 @@ linear), tie_word_embeddings, layer_windows (sliding-window attention per layer:
 use_sliding_window, Gemma 3's local layers), and Gemma 3's: (1 + weight) RMSNorm (folded into the weight at
 load, so every norm below is a plain RMSNorm), sandwich norms around attention and MLP, GELU-tanh, embedding
 scale, query_pre_attn_scalar, a local rotary base for windowed layers and final logit softcapping. Weights are
-stored fused (qkv, gate_up) and loaded from Hugging Face names.
+stored fused (qkv, gate_up) and loaded from Hugging Face names (model/checkpoint.py).
 
 On CUDA (with Triton) forward() takes the fused path: add+RMSNorm, q/k-norm+rotary+KV store and SiLU- (or
 GELU-tanh-) and-mul as single Triton kernels (cuda_kernels.py), flash prefill and a paged-decode kernel
@@ -24,7 +24,7 @@ False` forces the portable path there.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -35,7 +35,7 @@ from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable, paged_attention
 from pdserve.model.kv_groups import KVGroups
 from pdserve.model.paged import AttentionContext, layer_view, write_kv
-from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
+from pdserve.model.parallel import Collectives, TPShard, shard_for
 
 
 class RMSNorm(nn.Module):
@@ -322,14 +322,6 @@ class Decoder(nn.Module):
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    @torch.no_grad()
-    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
-        """Copy weights named as in Hugging Face's *ForCausalLM into this module, fusing qkv and gate/up and
-        keeping this rank's part of each (model/parallel.py)."""
-        params = dict(self.named_parameters())
-        for name, full in hf_fused_weights(sd, self.arch, tied=self.lm_head is None):
-            params[name].copy_(shard_param(name, full, self.arch, self.shard))
-
 
 @torch.no_grad()
 def use_column_major_linears(decoder: Decoder) -> None:
@@ -341,37 +333,3 @@ def use_column_major_linears(decoder: Decoder) -> None:
     for layer in decoder.decoder_layers:
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             linear.weight = nn.Parameter(linear.weight.t().contiguous().t(), requires_grad=False)
-
-
-def hf_fused_weights(sd: Mapping[str, torch.Tensor], arch: ModelArch, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Decoder parameter name, its full value) for every parameter, read from Hugging Face names one at a
-    time (a loader holds at most one layer's q/k/v or gate/up at once)."""
-
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            raise KeyError(f"weight {name!r} missing from checkpoint")
-        if arch.norm_offset and name.endswith("norm.weight"):  # gemma: (1 + weight), folded in float32
-            return sd[name].float() + 1.0
-        return sd[name]
-
-    yield "embed_tokens.weight", take("model.embed_tokens.weight")
-    yield "norm.weight", take("model.norm.weight")
-    if not tied:
-        yield "lm_head.weight", sd["lm_head.weight"] if "lm_head.weight" in sd else take("model.embed_tokens.weight")
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        a, m, ours = p + "self_attn.", p + "mlp.", f"layers.{i}."
-        yield ours + "qkv_proj.weight", torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
-        if arch.qkv_bias:
-            yield ours + "qkv_proj.bias", torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
-        yield ours + "o_proj.weight", take(a + "o_proj.weight")
-        if arch.qk_norm:
-            yield ours + "q_norm.weight", take(a + "q_norm.weight")
-            yield ours + "k_norm.weight", take(a + "k_norm.weight")
-        yield ours + "input_layernorm.weight", take(p + "input_layernorm.weight")
-        yield ours + "post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight")
-        if arch.sandwich_norms:
-            yield ours + "pre_feedforward_layernorm.weight", take(p + "pre_feedforward_layernorm.weight")
-            yield ours + "post_feedforward_layernorm.weight", take(p + "post_feedforward_layernorm.weight")
-        yield ours + "gate_up_proj.weight", torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-        yield ours + "down_proj.weight", take(m + "down_proj.weight")

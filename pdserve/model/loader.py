@@ -17,7 +17,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +26,7 @@ import torch
 from pdserve.config import ConfigError, ModelConfig
 from pdserve.model.arch import ModelArch
 from pdserve.model.builtin import builtin_gguf_path, builtin_names, is_builtin
+from pdserve.model.checkpoint import SafetensorsWeights, load_checkpoint
 from pdserve.model.decoder import Decoder, RMSNorm, use_column_major_linears
 from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 from pdserve.model.presets import get_preset, is_preset, preset_names
@@ -70,7 +70,7 @@ def load_model(
         arch = ModelArch.from_hf_config(hf_cfg)
         decoder = build_decoder(arch, device_, dtype, shard_for(arch, tp_size, tp_rank), comm)
         weights = SafetensorsWeights(folder)
-        decoder.load_hf_state_dict(cast(dict[str, torch.Tensor], weights))
+        load_checkpoint(decoder, weights)  # a rank reads only its slices
         _check_all_used(weights, folder)
         tokenizer = load_tokenizer(folder, arch)
     decoder.eval().requires_grad_(False)
@@ -140,35 +140,6 @@ def init_dummy_weights(decoder: Decoder, seed: int) -> None:
             continue
         drawn = torch.empty(meta.shape, dtype=param.dtype, device=device).normal_(0.0, DUMMY_INIT_STD, generator=gen)
         param.copy_(shard_param(name, drawn, decoder.arch, decoder.shard))
-
-
-class SafetensorsWeights(Mapping[str, torch.Tensor]):
-    """Every tensor of a folder's *.safetensors files by Hugging Face name, read lazily (memory-mapped)."""
-
-    def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
-            raise ConfigError(f"no *.safetensors weights in {folder} (found: {found}); only safetensors load")
-        self._file_of: dict[str, Any] = {}  # tensor name -> open safetensors handle
-        self.used: set[str] = set()  # names read so far
-        for f in files:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-            for key in handle.keys():
-                self._file_of[key] = handle
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._file_of[name].get_tensor(name)
-        self.used.add(name)
-        return tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._file_of)
-
-    def __len__(self) -> int:
-        return len(self._file_of)
 
 
 def _check_all_used(weights: SafetensorsWeights, folder: Path) -> None:

@@ -10,6 +10,7 @@ A rank r of N holds (Megatron layout, as vLLM does):
 - vocabulary rows [r * V', (r+1) * V') of the embedding and the LM head, V' = ceil(V / N), zero-padded past
   V: the embedding lookup is masked and all-reduced, the logits all-gathered and cut back to V.
 Norms, rotary tables and q/k norms are replicated. TP 1 is the shard that holds everything (no collective).
+`param_slices` states these ranges once, for the checkpoint reader (model/checkpoint.py) and shard_param.
 """
 
 from __future__ import annotations
@@ -164,62 +165,70 @@ def collectives_for(device: str, size: int, rank: int) -> ProcessGroupCollective
     return ProcessGroupCollectives(size)
 
 
-# ---- slicing full (fused) weights into a rank's part ---------------------------------------------------------
+# ---- a rank's slice of every parameter ----------------------------------------------------------------------
 
 
-def _rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return t.narrow(0, start, n)
+@dataclass(frozen=True)
+class SliceRange:
+    """A contiguous range of one (unfused) tensor along one dimension."""
+
+    dim: int  # 0: rows [start, start + length); 1: columns (a row-parallel weight [out, in])
+    start: int  # first row / column kept
+    length: int  # rows / columns kept
 
 
-def shard_qkv(full: torch.Tensor, arch: ModelArch, shard: TPShard) -> torch.Tensor:
-    """Fused qkv weight [(H + 2K) * d, hidden] (or bias [(H + 2K) * d]) -> this rank's [(h + 2k) * d, ...]."""
-    d = arch.head_dim
-    q, k, v = full.split([arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d])
-    return torch.cat(
-        [
-            _rows(q, shard.head_start * d, shard.num_heads * d),
-            _rows(k, shard.kv_head_start * d, shard.num_kv_heads * d),
-            _rows(v, shard.kv_head_start * d, shard.num_kv_heads * d),
-        ]
-    )
+@dataclass(frozen=True)
+class ParamSlices:
+    """How rank r's part of one Decoder parameter is made from the parts its full value is fused from."""
+
+    parts: tuple[SliceRange | None, ...]  # one per fused part (q, k, v / gate, up / the tensor); None: whole
+    pad_rows: int  # zero rows appended after the parts (vocabulary padding past V)
 
 
-def shard_gate_up(full: torch.Tensor, shard: TPShard) -> torch.Tensor:
-    """Fused [2 * I, hidden] -> this rank's [2 * I/N, hidden] (its rows of gate, then of up)."""
-    gate, up = full.chunk(2)
+def fused_part_sizes(name: str, arch: ModelArch) -> tuple[int, ...]:
+    """Rows of each part a Decoder parameter is fused from, in order: q, k, v of qkv_proj (weight and bias),
+    gate, up of gate_up_proj; one part (0 rows: whatever it has) for every other parameter."""
+    leaf, d = name.split(".")[-2], arch.head_dim
+    if leaf == "qkv_proj":
+        return (arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d)
+    if leaf == "gate_up_proj":
+        return (arch.intermediate_size, arch.intermediate_size)
+    return (0,)
+
+
+def param_slices(name: str, arch: ModelArch, shard: TPShard) -> ParamSlices:
+    """Rank `shard`'s slice of each part of the Decoder parameter `name` (its parts: fused_part_sizes); the
+    one description both the checkpoint reader (model/checkpoint.py) and shard_param (dummy weights) follow."""
+    num_parts = len(fused_part_sizes(name, arch))
+    if not shard.is_parallel:
+        return ParamSlices((None,) * num_parts, 0)
+    leaf, d = name.split(".")[-2], arch.head_dim
+    if leaf == "qkv_proj":
+        kv = SliceRange(0, shard.kv_head_start * d, shard.num_kv_heads * d)  # replicated: the same on N/K ranks
+        return ParamSlices((SliceRange(0, shard.head_start * d, shard.num_heads * d), kv, kv), 0)
+    if leaf == "o_proj":
+        return ParamSlices((SliceRange(1, shard.head_start * d, shard.num_heads * d),), 0)
     n = shard.intermediate_size
-    return torch.cat([_rows(gate, shard.rank * n, n), _rows(up, shard.rank * n, n)])
-
-
-def shard_columns(full: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    """A row-parallel weight [out, in] -> columns [start, start + n)."""
-    return full.narrow(1, start, n)
-
-
-def shard_vocab(full: torch.Tensor, shard: TPShard) -> torch.Tensor:
-    """[V, hidden] -> this rank's [V', hidden] rows, zero-padded past V."""
-    start = min(shard.vocab_start, shard.vocab_size)
-    n = min(shard.vocab_per_rank, shard.vocab_size - start)
-    part = _rows(full, start, n)
-    if n == shard.vocab_per_rank:
-        return part
-    pad = full.new_zeros((shard.vocab_per_rank - n, *full.shape[1:]))
-    return torch.cat([part, pad])
+    if leaf == "gate_up_proj":
+        return ParamSlices((SliceRange(0, shard.rank * n, n), SliceRange(0, shard.rank * n, n)), 0)
+    if leaf == "down_proj":
+        return ParamSlices((SliceRange(1, shard.rank * n, n),), 0)
+    if leaf in ("embed_tokens", "lm_head"):
+        start = min(shard.vocab_start, shard.vocab_size)
+        rows = min(shard.vocab_per_rank, shard.vocab_size - start)
+        return ParamSlices((SliceRange(0, start, rows),), shard.vocab_per_rank - rows)
+    return ParamSlices((None,), 0)  # norms, q/k norms: replicated
 
 
 def shard_param(name: str, full: torch.Tensor, arch: ModelArch, shard: TPShard) -> torch.Tensor:
-    """The Decoder parameter `name` (its full, fused, unsharded value) -> this rank's part."""
+    """The Decoder parameter `name` (its full, fused, unsharded value) -> this rank's part (dummy weights,
+    tests; checkpoints are read slice by slice instead, model/checkpoint.py)."""
     if not shard.is_parallel:
         return full
-    leaf = name.split(".")[-2]  # "layers.3.qkv_proj.weight" -> "qkv_proj"
-    if leaf == "qkv_proj":
-        return shard_qkv(full, arch, shard)
-    if leaf == "o_proj":
-        return shard_columns(full, shard.head_start * arch.head_dim, shard.num_heads * arch.head_dim)
-    if leaf == "gate_up_proj":
-        return shard_gate_up(full, shard)
-    if leaf == "down_proj":
-        return shard_columns(full, shard.rank * shard.intermediate_size, shard.intermediate_size)
-    if leaf in ("embed_tokens", "lm_head"):
-        return shard_vocab(full, shard)
-    return full  # norms: replicated
+    sizes = fused_part_sizes(name, arch)
+    whole = full.split(list(sizes)) if len(sizes) > 1 else (full,)
+    slices = param_slices(name, arch, shard)
+    kept = [t if r is None else t.narrow(r.dim, r.start, r.length) for t, r in zip(whole, slices.parts, strict=True)]
+    if slices.pad_rows:
+        kept.append(full.new_zeros((slices.pad_rows, *full.shape[1:])))
+    return kept[0] if len(kept) == 1 else torch.cat(kept)
