@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pdserve.config import ConfigError, EngineConfig
+from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.client import EngineStats
 from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_spec, num_blocks_for
@@ -22,8 +22,6 @@ from pdserve.engine.text import TextTracker
 from pdserve.engine.tp_group import TPGroup, TPGroupError
 from pdserve.engine.tp_rank import rank_device
 from pdserve.engine.tp_transfer import TPWorker
-from pdserve.model.arch import ModelArch
-from pdserve.model.kv_groups import KVGroups
 from pdserve.model.loader import load_model, model_arch
 from pdserve.model.parallel import check_tp_split
 from pdserve.sampling_params import SamplingParams
@@ -36,28 +34,11 @@ MAX_TIMELINES = 2000  # finished requests whose timestamps GET /timeline can sti
 MAX_RELEASED_IDS = 4096  # P: request ids whose pins were released, so a repeated release still answers found
 
 
-def check_windowed_supported(arch: ModelArch, config: EngineConfig) -> None:
-    """Refuse what sliding-window models do not support yet, naming it (ConfigError): tensor parallelism of a
-    model with several KV groups (the step plan carries one block table). P/D transfers every group (a windowed
-    group only its window's blocks; transfer/layout.py, group_segments)."""
-    if not arch.is_windowed:
-        return
-    groups = KVGroups.of(arch.layer_windows, arch.num_layers)
-    if config.parallel.tensor_parallel_size > 1 and groups.num_groups > 1:
-        raise ConfigError(
-            f"tensor_parallel_size {config.parallel.tensor_parallel_size}: {config.model.model} mixes "
-            f"sliding-window and full-attention layers ({groups.num_groups} KV groups); tensor parallelism "
-            "serves models of one KV group only for now"
-        )
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, wakeup: Callable[[], None] = lambda: None) -> None:
         self.config = config
         tp = config.parallel.tensor_parallel_size
         self.ranks: TPGroup | None = None  # tensor parallelism: ranks 1..tp-1 (joined in shutdown())
-        if tp > 1 or config.transfer.is_disaggregated:
-            check_windowed_supported(model_arch(config.model), config)  # before spawning or loading anything
         if tp > 1:
             check_tp_split(model_arch(config.model), tp)
             self.ranks = TPGroup(config)

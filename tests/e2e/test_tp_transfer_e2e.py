@@ -3,7 +3,8 @@ colocated TP 1 instance token for token, in both modes, for P TP 2 -> D TP 1, P 
 P TP 2 -> D TP 2; afterwards every block is free, and D's timeline shows exactly one confirmation
 (pull: PullReleaseAck) per (D rank, P rank), or one PushDone per P rank holding the D rank's heads (push).
 A rank of P or D SIGKILLed mid-transfer fails the request within seconds and the other instance frees its blocks.
-tiny llama has 2 KV heads: at TP 2 each rank holds one."""
+tiny llama has 2 KV heads: at TP 2 each rank holds one. A hybrid model (tiny Gemma 3: a full and a windowed KV
+group, 2 KV heads) moves every group's table across TP sizes too, past its window."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Launcher, Proc, post, wait_idle
+from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
 
 from pdserve.transfer.faults import Faults
 
@@ -63,6 +64,41 @@ def test_tp_pd_equals_tp1(fresh_launcher: Launcher, tiny_llama: Path, mode: str,
         }
         got_names = {e for e in events if e.startswith("push_done.")}
     assert got_names == want_names, events
+
+
+@pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("pull", 2, 1), ("push", 2, 1), ("push", 1, 2)])
+def test_tp_pd_several_kv_groups(
+    fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path], mode: str, p_tp: int, d_tp: int
+) -> None:
+    """Tiny Gemma 3 (layers 0, 2: window 6; layers 1, 3: full; block size 4) across TP sizes, a prompt of 56
+    tokens: == colocated TP 1 token for token; what D's ranks received is what P's ranks sent, and no more than
+    the colocated prompt's KV (the windowed group moves only its window); every block free afterwards."""
+    model = tiny_model_dirs["gemma3"]
+    common = ("--num-gpu-blocks", "64", "--block-size", "4")
+    body = {**BODY, "prompt": "sliding windows: " + "abcdefgh" * 4 + "abcdef", "max_tokens": 12}
+    ref = fresh_launcher.serve(model, *common, name="ref")
+    p = fresh_launcher.serve(model, *common, "--kv-transfer", mode, "--kv-role", "prefill",
+                             "--tensor-parallel-size", str(p_tp), name="p")  # fmt: skip
+    d = fresh_launcher.serve(model, *common, "--kv-transfer", mode, "--kv-role", "decode",
+                             "--tensor-parallel-size", str(d_tp), name="d")  # fmt: skip
+    fresh_launcher.wait_ready()
+    router = fresh_launcher.proxy(mode, [p], [d])
+    fresh_launcher.wait_ready()
+    want = post(ref.url, "/v1/completions", body).json()["choices"][0]
+    got = post(router.url, "/v1/completions", body)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == want["token_ids"]
+    assert len(want["prompt_token_ids"]) == 56
+    for inst in (p, d):
+        m = wait_idle(inst.url)
+        assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, m
+    received = scrape_metrics(d.url)["pdserve_kv_received_bytes_total"]
+    assert received == scrape_metrics(p.url)["pdserve_kv_sent_bytes_total"]
+    token_bytes = 2 * 2 * 2 * 16 * 4  # one group: 2 layers x K, V x 2 KV heads x head_dim 16 x float32
+    # D computes token 55 itself: the full group moves blocks [0, 14) (the partial last block whole), the windowed
+    # group only blocks [12, 14), which hold the keys (49, 55] the query at 55 reads
+    full, windowed = 14 * 4, (14 - (55 - 6 + 1) // 4) * 4
+    assert received == (full + windowed) * token_bytes, received
 
 
 def _rank_pid(engine: Proc, rank: int) -> int:

@@ -13,11 +13,8 @@ import torch
 from test_generate import _hf_greedy, _llm, _prompts
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig, TransferConfig
-from pdserve.engine.engine import check_windowed_supported
 from pdserve.model.attention import paged_attention
 from pdserve.model.kv_groups import STALE, KVGroups
-from pdserve.model.loader import model_arch
 from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
 
 WINDOWED = ["mistral_swa", "qwen2_swa", "gemma3"]  # windows 10, 7 (layer 1 only), 6 (layers 0 and 2)
@@ -116,16 +113,3 @@ def test_prefix_hits_past_the_window(
     again = llm.generate(prompts[:1], SamplingParams.greedy(20))[0]
     assert again.token_ids == first.token_ids and again.num_cached_tokens == 32
     assert llm.engine.pool.num_free == 128
-
-
-def test_pd_served_and_tp_refused_for_several_groups(tiny_model_dirs: dict[str, Path]) -> None:
-    folder = str(tiny_model_dirs["gemma3"])
-    for role in ("prefill", "decode", "both"):  # P/D moves every group (tests/e2e/test_pd_windowed.py)
-        config = EngineConfig(model=ModelConfig(model=folder), transfer=TransferConfig(role=role))
-        check_windowed_supported(model_arch(config.model), config)
-    config = EngineConfig(
-        model=ModelConfig(model=folder), transfer=TransferConfig(role="decode"),
-        parallel=ParallelConfig(tensor_parallel_size=2),
-    )  # fmt: skip
-    with pytest.raises(ConfigError, match="tensor_parallel_size 2: .* KV groups"):
-        check_windowed_supported(model_arch(config.model), config)

@@ -2,7 +2,9 @@
 
 TP 1 stays checked against transformers (test_generate.py); here TP 2 is checked against TP 1, greedy, token
 for token, float32, with chunked prefill, decode batches and prefix-cache hits, on a Llama whose 2 KV heads
-split over the ranks and a Mistral whose 1 KV head is replicated. Each TP 2 engine spawns a rank process
+split over the ranks, a Mistral whose 1 KV head is replicated, and two models of several KV groups (Gemma 3's
+local + global layers, Qwen2 with max_window_layers), generating past their windows: the step plan carries
+every group's table, STALE entries included. Each TP 2 engine spawns a rank process
 (seconds on a busy machine), so the tests share engines and keep to one torch thread per rank.
 """
 
@@ -27,7 +29,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_plan import SHUTDOWN, PlanChunk, PlanError, PlanKind, StepPlan, decode, encode
 from pdserve.engine.tp_group import TPGroupError
 from pdserve.model.arch import ModelArch
-from pdserve.model.kv_groups import KVGroups
+from pdserve.model.kv_groups import STALE, KVGroups
 from pdserve.model.loader import load_model, model_arch
 from pdserve.model.parallel import shard_for, shard_param
 
@@ -56,13 +58,18 @@ def _generate(folder: Path, tp: int) -> tuple[LLM, list[list[int]]]:
     return llm, [o.token_ids for o in first + rest]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])  # 2 KV heads split; 1 KV head replicated
+# llama: 2 KV heads split; mistral: 1 KV head replicated; gemma3 (window 6), qwen2_swa (7): 2 KV groups
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "qwen2_swa"])
 def test_tp2_equals_tp1(tiny_model_dirs: dict[str, Path], family: str) -> None:
     ref, expected = _generate(tiny_model_dirs[family], 1)
     ref.shutdown()
     llm, got = _generate(tiny_model_dirs[family], 2)
     try:
         assert llm.engine.runner.decoder.shard.num_kv_heads == 1  # llama: 2 / 2; mistral: 1, replicated
+        groups = llm.engine.runner.decoder.kv_groups
+        assert groups.num_groups == (2 if family in ("gemma3", "qwen2_swa") else 1)
+        if groups.is_windowed:  # the longest prompt and its generation run well past every window
+            assert max(len(p) for p in _prompts()) + MAX_TOKENS > 4 * max(w or 0 for w in groups.windows)
         assert got == expected
         assert llm.engine.pool.num_free == llm.engine.num_blocks
         if family == "mistral":  # a rank that dies: the next step fails at once, naming it, and never hangs
@@ -166,8 +173,17 @@ def test_config_allows_disaggregated_tp() -> None:
 
 
 def test_step_plan_round_trip() -> None:
-    plan = StepPlan(PlanKind.STEP, [PlanChunk([5, 6, 7], 0, [3], False), PlanChunk([9], 12, [4, 8, 1, 2], True)])
+    plan = StepPlan(PlanKind.STEP, [PlanChunk([5, 6, 7], 0, [[3]], False), PlanChunk([9], 12, [[4, 8, 1, 2]], True)])
     assert decode(encode(plan)) == plan
+    # several KV groups, a windowed group's STALE entries before its window included
+    groups = StepPlan(PlanKind.STEP, [PlanChunk([9], 12, [[4, 8, 1, 2], [STALE, STALE, 6, 7]], True),
+                                      PlanChunk([1, 2], 0, [[5], [3]], False)])  # fmt: skip
+    assert decode(encode(groups)) == groups
+    with pytest.raises(PlanError, match="differ in length"):
+        encode(StepPlan(PlanKind.STEP, [PlanChunk([9], 12, [[4, 8, 1, 2], [6, 7]], True)]))
+    bad = encode(StepPlan(PlanKind.STEP, [PlanChunk([9], 0, [[4], [-2]], True)]))
+    with pytest.raises(PlanError, match="neither a block nor STALE"):
+        decode(bad)
     assert decode(encode(SHUTDOWN)) == SHUTDOWN
     transfer = StepPlan(PlanKind.TRANSFER, [], b"\x81\xa1v\x01")
     assert decode(encode(transfer)) == transfer
@@ -205,17 +221,29 @@ def test_every_family_tp2_logits_equal_tp1(tiny_family: str, tiny_model_dirs: di
     two ranks as threads give TP 1's logits, for a chunked prefill followed by a decode step."""
     cfg = ModelConfig(model=str(tiny_model_dirs[tiny_family]), num_threads=1)
     arch = model_arch(cfg)
-    if KVGroups.of(arch.layer_windows, arch.num_layers).num_groups > 1:
-        pytest.skip("tensor parallelism serves models of one KV group only (LLMEngine refuses the others)")
+    groups = KVGroups.of(arch.layer_windows, arch.num_layers)
+
+    def tables(blocks: list[int], num_computed: int) -> list[list[int]]:
+        """Group g's table: the blocks + 8 g, STALE before a windowed group's window (as the scheduler frees)."""
+        out = []
+        for g in range(groups.num_groups):
+            first = groups.first_live_block(g, num_computed, 4)
+            out.append([STALE] * first + [b + 8 * g for b in blocks[first:]])
+        return out
+
     steps = [
-        [PlanChunk(list(range(5, 21)), 0, [3, 1, 4, 0], False), PlanChunk(list(range(40, 45)), 0, [5, 2], True)],
-        [PlanChunk(list(range(21, 27)), 16, [3, 1, 4, 0, 6, 7], True), PlanChunk([50], 5, [5, 2], True)],
-    ]
+        [PlanChunk(list(range(5, 21)), 0, tables([3, 1, 4, 0], 0), False),
+         PlanChunk(list(range(40, 45)), 0, tables([5, 2], 0), True)],
+        [PlanChunk(list(range(21, 27)), 16, tables([3, 1, 4, 0, 6, 7], 16), True),
+         PlanChunk([50], 5, tables([5, 2], 5), True)],
+    ]  # fmt: skip
+    if groups.is_windowed:  # the second step's first chunk starts past a window: its first entries are STALE
+        assert any(STALE in t for t in steps[1][0].block_tables)
 
     def run(tp: int, rank: int, comm: _ThreadCollectives | None, out: dict[int, list[torch.Tensor]]) -> None:
         loaded = load_model(cfg, tp, rank, comm)
         heads = loaded.decoder.shard.num_kv_heads
-        kv = allocate_kv_cache(loaded.arch, 8, 4, torch.float32, torch.device("cpu"), heads)
+        kv = allocate_kv_cache(loaded.arch, 8 * groups.num_groups, 4, torch.float32, torch.device("cpu"), heads)
         runner = ModelRunner(loaded.decoder, kv, torch.device("cpu"))
         out[rank] = [logits for s in steps if (logits := runner.forward(s)) is not None]
 
