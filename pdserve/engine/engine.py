@@ -236,7 +236,7 @@ class LLMEngine:
                 tl["events"].setdefault(event, t)
         outputs = []
         for rid in res.finished_recvs:
-            self.scheduler.on_kv_received(rid)
+            self.scheduler.on_kv_received(rid, res.landed_from.get(rid, ()))
         recompute = self.config.transfer.load_failure_policy == "recompute"
         for rid, reason in res.failed_recvs:
             req = self.scheduler.on_kv_failed(rid, recompute)

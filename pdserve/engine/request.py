@@ -35,6 +35,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache or a remote prefill
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    # D: per KV group, the first token whose KV the blocks hold from a remote prefill ([]: every row from 0 is
+    # valid). A windowed group's first block may hold unreceived rows before it (the prefill's blocks were
+    # smaller); attention never reads them, but such a block is never registered in the prefix cache
+    kv_valid_from: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained digest of each full block, computed lazily
     needs_remote_kv: bool = False  # D: prompt KV comes from a remote prefill
     remote_kv_ready: bool = False  # D: that KV has landed; compute only the last prompt token

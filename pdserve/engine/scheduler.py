@@ -9,6 +9,7 @@ holds its blocks there until its KV has landed, then computes only its last prom
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
@@ -132,12 +133,14 @@ class Scheduler:
         return req
 
     # ---- transfer results ---------------------------------------------------------------------------------
-    def on_kv_received(self, request_id: str) -> None:
+    def on_kv_received(self, request_id: str, landed_from: Sequence[int] = ()) -> None:
+        """The KV landed; landed_from: per KV group, the first token it holds (TransferResults.landed_from)."""
         if (req := self.aborting.pop(request_id, None)) is not None:
             self._free_blocks(req)
             return
         req = self.waiting_for_kv.pop(request_id)
         req.remote_kv_ready = True
+        req.kv_valid_from = list(landed_from)
         req.num_cached_tokens = req.num_prompt_tokens - 1
         req.num_computed_tokens = req.num_prompt_tokens - 1
         req.status = RequestStatus.WAITING
@@ -292,6 +295,7 @@ class Scheduler:
         for table in req.block_tables:
             self.pool.free(b for b in reversed(table) if b != STALE)
         req.block_tables = [[] for _ in self.kv_groups.groups]
+        req.kv_valid_from = []
 
     def _transfer_tables(self, req: Request) -> list[list[int]]:
         """What the connector hooks get as block_tables: every group's table for a windowed model, else []."""
@@ -386,7 +390,9 @@ class Scheduler:
             return
         hashes = self._hashes(req, num_full)
         for g, table in enumerate(req.block_tables):
+            # a block with rows D never received (before kv_valid_from) must not serve another request
+            valid_from = req.kv_valid_from[g] if req.kv_valid_from else 0
             for i in range(req.num_hashed_blocks, num_full):
-                if table[i] != STALE:
+                if table[i] != STALE and i * self.block_size >= valid_from:
                     self.pool.cache(table[i], self._group_hash(g, hashes[i]))
         req.num_hashed_blocks = num_full

@@ -152,13 +152,18 @@ class StepMeta:
 
 @dataclass
 class TransferResults:
-    """What the worker side reports back; every list holds request ids and is drained once read."""
+    """What the worker side reports back; every list holds request ids (landed_from is keyed by them) and is
+    drained once read."""
 
     finished_recvs: list[str] = field(default_factory=list)  # KV landed: the request may run
     failed_recvs: list[tuple[str, str]] = field(default_factory=list)  # (id, reason); blocks safe to reuse
     cancelled_recvs: list[str] = field(default_factory=list)  # aborted recvs whose blocks are safe to free
     finished_sends: list[str] = field(default_factory=list)  # P: blocks may be freed (consumed or expired)
     events: list[tuple[str, str, float]] = field(default_factory=list)  # (request id, event, time.time())
+    # per finished recv: each KV group's first token whose KV landed (thread/landing.py); D's blocks hold only
+    # rows from there on (rows before it in a windowed group's first block were never received: that block is
+    # not registered in D's prefix cache). Absent: from the recv's start_token on
+    landed_from: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(

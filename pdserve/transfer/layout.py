@@ -144,7 +144,9 @@ def group_ranges(
     """Per KV group, the tokens [first, end) a transfer of [start_token, end = start_token + num_tokens) moves:
     everything for a full-attention group; for a windowed group only what a query at position `end` (the last
     prompt token, which D computes itself) reads, from the start of the block holding key end - window + 1 on
-    every side (the later of the sides' block starts, so both hold it; equal block sizes: whole blocks)."""
+    every side (the later of the sides' block starts, so both hold it; equal block sizes: whole blocks). Each
+    start is <= end - window + 1, so the range holds every key D reads; with different block sizes D's first
+    block may begin before it (rows D never receives nor reads: thread/landing.landed_ranges)."""
     end = start_token + num_tokens
     out = []
     for window in windows:

@@ -20,7 +20,8 @@ from pdserve.transfer.params import encode as encode_params
 
 # 1: StepMeta and TransferResults + TransferStats between the ranks of one instance (2026-12-03).
 # 2: RecvTask/SendTask block_tables (sliding-window models: a table per KV group) (2026-12-04).
-RANKS_VERSION = 2
+# 3: TransferResults.landed_from (per finished recv, each KV group's first token landed) (2026-12-05).
+RANKS_VERSION = 3
 
 
 class RanksError(ValueError):
@@ -59,6 +60,7 @@ def encode_results(res: TransferResults, stats: TransferStats) -> bytes:
     return msgpack.packb(
         {"v": RANKS_VERSION, "finished_recvs": res.finished_recvs, "failed_recvs": res.failed_recvs,
          "cancelled_recvs": res.cancelled_recvs, "finished_sends": res.finished_sends, "events": res.events,
+         "landed_from": [[rid, list(firsts)] for rid, firsts in res.landed_from.items()],
          "stats": [stats.sent_bytes, stats.received_bytes, stats.transfers_ok, stats.transfers_failed,
                    stats.transfers_expired, stats.transfer_seconds, stats.posts]},
     )  # fmt: skip
@@ -68,7 +70,8 @@ def decode_results(data: bytes) -> tuple[TransferResults, TransferStats]:
     m = _map(data)
     res = TransferResults(list(m["finished_recvs"]), [(a, b) for a, b in m["failed_recvs"]],
                           list(m["cancelled_recvs"]), list(m["finished_sends"]),
-                          [(a, b, c) for a, b, c in m["events"]])  # fmt: skip
+                          [(a, b, c) for a, b, c in m["events"]],
+                          {rid: tuple(firsts) for rid, firsts in m["landed_from"]})  # fmt: skip
     s = m["stats"]
     stats = TransferStats(s[0], s[1], s[2], s[3], s[4], list(s[5]), [(a, b) for a, b in s[6]])
     return res, stats
@@ -92,6 +95,7 @@ class _Recv:
     reason: str = ""  # the first failure's
     engine_cancelled: bool = False  # the engine aborted it (reported as cancelled)
     cancels_sent: bool = False  # the other ranks were asked to cancel after a failure
+    landed_from: tuple[int, ...] = ()  # per KV group, the latest first token landed any rank reported
 
 
 class RankMerger:
@@ -116,7 +120,7 @@ class RankMerger:
     def add(self, rank: int, res: TransferResults) -> None:
         self._out.events.extend(res.events)
         for rid in res.finished_recvs:
-            self._recv_end(rank, rid, "finished", "")
+            self._recv_end(rank, rid, "finished", "", res.landed_from.get(rid, ()))
         for rid, reason in res.failed_recvs:
             self._recv_end(rank, rid, "failed", reason)
         for rid in res.cancelled_recvs:
@@ -128,11 +132,14 @@ class RankMerger:
                 del self._sends[rid]
                 self._out.finished_sends.append(rid)
 
-    def _recv_end(self, rank: int, rid: str, end: str, reason: str) -> None:
+    def _recv_end(self, rank: int, rid: str, end: str, reason: str, landed_from: tuple[int, ...] = ()) -> None:
         rv = self._recvs.get(rid)
         if rv is None:
             return  # not a recv this instance started (never: every rank gets the same StepMeta)
         rv.ends[rank] = end
+        if landed_from:  # every rank's P peers share one block size, so the ranks agree; keep the latest anyway
+            mine = rv.landed_from or landed_from
+            rv.landed_from = tuple(max(a, b) for a, b in zip(mine, landed_from, strict=True))
         if end == "failed" and not rv.reason:
             rv.reason = reason if self.num_ranks == 1 else f"tensor-parallel rank {rank}: {reason}"
         if end == "failed" and not rv.cancels_sent and len(rv.ends) < self.num_ranks:
@@ -145,6 +152,8 @@ class RankMerger:
             self._out.cancelled_recvs.append(rid)
         elif all(e == "finished" for e in rv.ends.values()):
             self._out.finished_recvs.append(rid)
+            if rv.landed_from:
+                self._out.landed_from[rid] = rv.landed_from
         else:
             self._out.failed_recvs.append((rid, rv.reason or "a tensor-parallel rank cancelled its part"))
 

@@ -319,12 +319,7 @@ def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = F
     """None if the two can exchange KV, else an error naming both sides' values (for tensor-parallel sizes that
     cannot map, both sides' TP sizes and KV head counts, as heads.mapping_error words it)."""
     if local.compat_hash == peer.compat_hash == compat_hash(dataclasses.asdict(peer)):
-        if (local.is_windowed or peer.is_windowed) and local.block_size != peer.block_size:
-            return (
-                f"incompatible with peer engine {peer.engine_id!r}: sliding-window KV groups need equal block "
-                f"sizes on both sides: peer has {peer.block_size}, this instance has {local.block_size}"
-            )
-        return _mapping(local, peer, local_is_producer)
+        return _mapping(local, peer, local_is_producer)  # any pair of block sizes (layout.group_ranges)
     diffs = []
     for name in COMPAT_FIELDS:
         mine, theirs = getattr(local, name), getattr(peer, name)

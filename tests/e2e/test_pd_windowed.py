@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 BS = 4
 # per family: (window per windowed group, bytes of one token's K and V in one group: 2 layers x 2 x heads x dim x 4)
 SHAPES = {"gemma3": (6, 2 * 2 * 2 * 16 * 4), "mistral_swa": (10, 2 * 2 * 1 * 16 * 4)}
+MODES = ("pull", "push")
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 12}
 # byte tokens + BOS; the second is 56 tokens, so D's cached blocks (the window before token 55 and every full
 # group's) make a prefix hit of 14 blocks for EXTENDED, which moves only the rest
@@ -114,3 +115,55 @@ def test_one_windowed_group_under_tensor_parallelism(fresh_launcher: Launcher, t
     for proc in (p, d):
         m = wait_idle(proc.url)
         assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, (proc.name, m)
+
+
+def moved_bytes(num_prompt: int, p_bs: int, d_bs: int, start: int = 0) -> int:
+    """Tiny Gemma 3, P and D of different block sizes: the full group moves [start, end); the windowed group moves
+    [max(start, P's window block start, D's), end), where each side's window block holds key end - window + 1
+    (P freed the blocks before its own, D never allocated the ones before its own); nothing is padded."""
+    window, token_bytes = SHAPES["gemma3"]
+    end = num_prompt - 1
+    first = max(start, *((end - window + 1) // bs * bs for bs in (p_bs, d_bs)))
+    return (max(0, end - start) + max(0, end - first)) * token_bytes
+
+
+def test_windowed_between_different_block_sizes(fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path]):
+    """Tiny Gemma 3 (window 6) from P to D of (16, 4), (4, 16), (8, 16) tokens per block, pull and push through
+    the router: == colocated; per request the metrics count exactly moved_bytes (only the window's tokens for the
+    windowed group, on both sides); every block free afterwards. PROMPTS[0] (52 tokens) puts D's 16-token window
+    block partly before what P still held (keys 40.. or 44.. of block 32..47): D must not register it, so the
+    same prompt again is no prefix hit and moves everything again (a hit there would read rows D never got)."""
+    model = tiny_model_dirs["gemma3"]
+    pairs = [(16, 4), (4, 16), (8, 16)]
+
+    def serve(name: str, bs: int, *args: str) -> Proc:
+        return fresh_launcher.serve(model, "--num-gpu-blocks", "64", "--block-size", str(bs), *args, name=name)
+
+    ref = serve("ref", 16, "--kv-role", "both")
+    p = {(m, bs): serve(f"P{bs}-{m}", bs, "--kv-role", "prefill", "--kv-transfer", m)
+         for m in MODES for bs in (4, 8, 16)}  # fmt: skip
+    d = {(m, bs): serve(f"D{bs}-{m}", bs, "--kv-role", "decode", "--kv-transfer", m) for m in MODES for bs in (4, 16)}
+    fresh_launcher.wait_ready()
+    routers = {
+        (m, pb, db): fresh_launcher.proxy(m, [p[m, pb]], [d[m, db]], name=f"router-{m}-{pb}-{db}")
+        for m in MODES
+        for pb, db in pairs
+    }
+    fresh_launcher.wait_ready()
+    for (mode, p_bs, d_bs), router in routers.items():
+        pp, dd = p[mode, p_bs], d[mode, d_bs]
+        # EXTENDED after PROMPTS[1]: D of 4-token blocks has tokens [0, 56) of both groups (the window's blocks 12,
+        # 13 came whole); with 16-token blocks the window before token 48 would need block 2, which D never held
+        for prompt, start in [*((q, 0) for q in PROMPTS), (EXTENDED, 56 if d_bs == 4 else 0), (PROMPTS[0], 0)]:
+            received = scrape_metrics(dd.url)["pdserve_kv_received_bytes_total"]
+            sent = scrape_metrics(pp.url)["pdserve_kv_sent_bytes_total"]
+            prompt_ids, tokens = completion(router.url, prompt)
+            assert len(prompt_ids) > SHAPES["gemma3"][0] + 2 * 16  # well past the window
+            assert (prompt_ids, tokens) == completion(ref.url, prompt), (mode, p_bs, d_bs, prompt)
+            for proc in (pp, dd):
+                m = wait_idle(proc.url)
+                assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, (proc.name, m)
+            got = scrape_metrics(dd.url)["pdserve_kv_received_bytes_total"] - received
+            want = moved_bytes(len(prompt_ids), p_bs, d_bs, start)
+            assert got == want, (mode, p_bs, d_bs, prompt, len(prompt_ids))
+            assert scrape_metrics(pp.url)["pdserve_kv_sent_bytes_total"] - sent == got

@@ -72,7 +72,7 @@ def _child(
     worker.register_kv_cache(kv, spec)
     worker.start(lambda: None)
     results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "cancelled_recvs": [],
-                                "finished_sends": [], "events": []}  # fmt: skip
+                                "finished_sends": [], "events": [], "landed_from": []}  # fmt: skip
     conn.send(("ready", sched.info()))
     params: dict[str, Any] = {}  # request id -> parsed kv_transfer_params (the engine's Request owns them)
     while True:
@@ -117,7 +117,8 @@ def _child(
             worker.submit(meta)
         res = worker.poll_results()
         for k in results:
-            results[k].extend(getattr(res, k))
+            got = getattr(res, k)
+            results[k].extend(got.items() if isinstance(got, dict) else got)  # landed_from: (request id, firsts)
 
 
 class Instance:

@@ -5,11 +5,11 @@ rank merger's one-result-per-request rule; StepMeta between ranks round-trips.""
 import numpy as np
 import pytest
 
-from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults
+from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults, TransferStats
 from pdserve.transfer.heads import mapping_error, rank_heads, sources
 from pdserve.transfer.layout import BlockLayout, Heads, descriptors, pad_last_blocks, token_segments
 from pdserve.transfer.params import PushSource
-from pdserve.transfer.ranks import RankMerger, decode_meta, encode_meta
+from pdserve.transfer.ranks import RankMerger, decode_meta, decode_results, encode_meta, encode_results
 
 LAYERS, BS, NB, HD = 2, 4, 4, 2  # layers, block size, blocks, head dim (float32 elements)
 L_BASE, R_BASE = 1 << 20, 1 << 30
@@ -67,6 +67,19 @@ def test_merger_one_result_per_request() -> None:
     out, followup = m.take()
     assert out.finished_recvs == ["a"] and out.failed_recvs == [("b", "tensor-parallel rank 0: boom")]
     assert out.finished_sends == ["s"] and not followup
+
+
+def test_landed_from_crosses_the_ranks_and_the_merger() -> None:
+    """A windowed recv's first landed token per KV group (TransferResults.landed_from) reaches the engine once."""
+    res = TransferResults(finished_recvs=["a"], landed_from={"a": (0, 40)})
+    assert decode_results(encode_results(res, TransferStats()))[0] == res
+    m = RankMerger(2)
+    m.see(StepMeta(recvs=[RecvTask("a", (0,), 0, 50, PushSource("t", "h", 1, "e"))]))
+    m.add(0, res)
+    assert not m.take()[0].landed_from  # rank 1's part is not over yet
+    m.add(1, res)
+    out, _ = m.take()
+    assert out.finished_recvs == ["a"] and out.landed_from == {"a": (0, 40)}
 
 
 def test_step_meta_round_trip() -> None:

@@ -31,7 +31,6 @@ def cl():
         p_push=Instance("prefill", "push", block_size=BS, windows=WINDOWS),
         d_push=Instance("decode", "push", block_size=BS, windows=WINDOWS),
         d_full=Instance("decode", "pull", block_size=BS, windows=(None, None)),  # one full group, 2 layers a block
-        d_bs8=Instance("decode", "pull", block_size=8, windows=WINDOWS),
         # staged through host mirrors (kv_buffer_device cpu): the copies go per group too
         p_pull_staged=Instance("prefill", "pull", block_size=BS, windows=WINDOWS, faults=STAGED),
         d_pull_staged=Instance("decode", "pull", block_size=BS, windows=WINDOWS, faults=STAGED),
@@ -104,20 +103,11 @@ def test_prefix_hit_in_the_window_moves_only_the_rest(cl):
     assert np.array_equal(d.kv(), expected_kv(out, p_kv, D_TABLES[1], P_TABLES[1], 16, N_MOVED - 16))
 
 
-@pytest.mark.parametrize(
-    "d_name,words",
-    [
-        (
-            "d_full",
-            "KV groups: peer has [full layers [0, 1], window 8 layers [2, 3]], this instance has [full layers [0, 1]]",
-        ),
-        ("d_bs8", "equal block sizes on both sides: peer has 4, this instance has 8"),
-    ],
-)
-def test_disagreeing_pair_is_refused_naming_both(cl, d_name, words):
-    p, d = cl["p_pull"], cl[d_name]
-    keep, params = p.call("finish", f"p-{d_name}", P_TABLES[0], N_PROMPT, {"do_remote_decode": True}, P_TABLES)
-    assert d.call("needs", d_name, params) is True
-    d.call("alloc", d_name, [0, 1, 2, 3, 4, 5], 0, N_PROMPT)
-    kind, reason = d.wait_result(d_name)
+def test_disagreeing_groups_are_refused_naming_both(cl):
+    p, d = cl["p_pull"], cl["d_full"]
+    keep, params = p.call("finish", "p-d_full", P_TABLES[0], N_PROMPT, {"do_remote_decode": True}, P_TABLES)
+    assert d.call("needs", "d_full", params) is True
+    d.call("alloc", "d_full", [0, 1, 2, 3, 4, 5], 0, N_PROMPT)
+    kind, reason = d.wait_result("d_full")
+    words = "KV groups: peer has [full layers [0, 1], window 8 layers [2, 3]], this instance has [full layers [0, 1]]"
     assert kind == "failed" and words in reason, reason

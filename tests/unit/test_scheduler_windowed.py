@@ -55,3 +55,23 @@ def test_decode_allocates_only_the_window_and_recomputes_from_fresh_blocks():
     assert pool.num_free == 64  # the STALE tables are dropped: the prompt is recomputed into fresh blocks
     out = run_step(s)
     assert out.chunks[0].start_pos == 0 and all(STALE not in t for t in out.chunks[0].block_tables)
+
+
+def test_a_partly_received_window_block_never_serves_a_prefix_hit():
+    """D's window block 3 holds tokens 12..15; a prefill with 2-token blocks held (and sent) only keys 14.. of
+    it (landed_from). Attention never reads rows 12, 13 (before the window), but a later request resuming at
+    token 20 would: the block is not registered, so the same prompt again gets no prefix hit. With the whole
+    block received (equal block sizes) it does."""
+    for landed, hit in (((0, 14), 0), ((0, 12), 20)):
+        s, pool, conn = make()
+        s.add(req("d", N, max_tokens=2, params=SOURCE))
+        run_step(s)
+        s.on_kv_received("d", landed)
+        assert s.requests["d"].kv_valid_from == list(landed)
+        while s.has_work():
+            run_step(s)
+        assert pool.num_free == 64
+        s.add(req("e", N, params=SOURCE))
+        run_step(s)
+        assert s.requests["e"].num_computed_tokens == hit, landed
+        assert s.requests["e"].kv_valid_from == []  # a new request: nothing received yet

@@ -25,7 +25,7 @@ from pdserve.transfer.layout import LayoutError, descriptors, group_segments, nu
 from pdserve.transfer.params import PullSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
-from pdserve.transfer.thread.landing import land
+from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.thread.results import SendOutcome
 from pdserve.transfer.thread.worker import NixlWorker
@@ -328,7 +328,8 @@ class PullCore:
         else:  # staging: the data is in the mirror; copy it into the KV cache before reporting
             if self.ctx.stager is not None:
                 rd.state = ReadState.STAGING
-            land(self.ctx, rd.task, lambda: self.reads.get(rid) is rd, lambda error: self._end(rid, rd, error))
+            land(self.ctx, rd.task, rd.peers[0].info.block_size, lambda: self.reads.get(rid) is rd,
+                 lambda error: self._end(rid, rd, error))  # fmt: skip
 
     def _confirm_timeout(self, rid: str, rd: _Read) -> None:
         if self.reads.get(rid) is rd and rd.state is ReadState.CONFIRMING:
@@ -366,7 +367,8 @@ class PullCore:
             self.ctx.sink.recv_cancelled(rid)
         elif error is None:
             secs = time.monotonic() - rd.posted_at if rd.xfers else None
-            self.ctx.sink.recv_finished(rid, nbytes, secs)
+            peer_bs = rd.peers[0].info.block_size  # finished: the handshake was done
+            self.ctx.sink.recv_finished(rid, nbytes, secs, landed_from(self.ctx, rd.task, peer_bs))
         else:
             log.warning("pull of %s failed: %s", rid, error)
             self.ctx.sink.recv_failed(rid, error)

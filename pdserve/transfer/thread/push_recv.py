@@ -34,7 +34,7 @@ from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.params import PushSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone
 from pdserve.transfer.thread.context import TransferContext
-from pdserve.transfer.thread.landing import land
+from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister, encode
 
@@ -216,7 +216,7 @@ class RecvSide:
         def end(error: str | None) -> None:
             self._end(rid, w, RecvEnd.FINISHED if error is None else RecvEnd.FAILED, error or "")
 
-        land(self.ctx, w.task, lambda: self.waits.get(rid) is w, end)
+        land(self.ctx, w.task, w.peers[0].info.block_size, lambda: self.waits.get(rid) is w, end)
 
     # ---- timeouts and cancels ----------------------------------------------------------------------------------------
     def _timeout(self, rid: str, w: _Wait) -> None:
@@ -322,7 +322,8 @@ class RecvSide:
         del self.waits[rid]
         del self.by_key[w.key]
         if kind is RecvEnd.FINISHED:  # the WRITE's duration is P's to record; D only waited
-            self.ctx.sink.recv_finished(rid, w.num_bytes, None)
+            peer_bs = w.peers[0].info.block_size  # finished: every producer's PushDone came, after the handshake
+            self.ctx.sink.recv_finished(rid, w.num_bytes, None, landed_from(self.ctx, w.task, peer_bs))
         elif kind is RecvEnd.CANCELLED:
             self.ctx.sink.recv_cancelled(rid)
         else:

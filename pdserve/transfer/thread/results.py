@@ -28,9 +28,14 @@ class ResultSink:
         self.wakeup: Callable[[], None] = lambda: None  # set by ConnectorWorker.start()
 
     # ---- results (each call wakes the engine) -------------------------------------------------------------------
-    def recv_finished(self, request_id: str, num_bytes: int, seconds: float | None) -> None:
+    def recv_finished(
+        self, request_id: str, num_bytes: int, seconds: float | None, landed_from: tuple[int, ...] = ()
+    ) -> None:
+        """D may run the request; landed_from: per KV group, the first token whose KV landed."""
         with self._lock:
             self._results.finished_recvs.append(request_id)
+            if landed_from:
+                self._results.landed_from[request_id] = landed_from
             self._results.events.append((request_id, "kv_received", time.time()))
             self._stats.received_bytes += num_bytes
             self._stats.transfers_ok += 1
