@@ -3,6 +3,8 @@ wrong bytes reported as received — and every survivor lets go of its blocks (P
 D: exactly one recv result) within seconds. Connector pairs in real processes (harness.py), faults through
 the test-only Faults object; instances are shared by the module, ids are unique per test."""
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -14,6 +16,10 @@ from pdserve.transfer.faults import Faults
 TIMEOUT = 1.0  # peer_timeout_s of the faulted instances (heartbeat_s 0.25)
 LIVE = dict(heartbeat_s=0.25, peer_timeout_s=TIMEOUT)
 QUEUE_LEASE = 1.5  # d_qdrop's lease_s: the longest it waits for an ack held back by other READs
+# D: acks 1.5 s late (past TIMEOUT), READs of "queue-slow" in flight for 2 s (as READs served in order are)
+QUEUED_LATE_ACK = Faults(delay_notifs=("PullReleaseAck",), notif_delay_s=1.5, slow_reads=("queue-slow",), slow_read_s=2)
+# D: acks never come, READs of "qdrop-slow" in flight for 3 s (past QUEUE_LEASE)
+QUEUED_LOST_ACK = Faults(drop_notifs=("PullReleaseAck",), slow_reads=("qdrop-slow",), slow_read_s=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +34,9 @@ def cl():
         p_dup=Instance("prefill", "pull", faults=Faults(duplicate_notifs=("PullRelease",)), **LIVE),
         d_late=Instance("decode", "pull", faults=Faults(delay_notifs=("PullReleaseAck",), notif_delay_s=0.3), **LIVE),
         d_err=Instance("decode", "pull", faults=Faults(fail_posts=True), **LIVE),
-        # acks late by more than TIMEOUT, READs of "queue-slow" in flight for 2 s (as in an ordered stream)
-        d_queue=Instance(
-            "decode",
-            "pull",
-            faults=Faults(
-                delay_notifs=("PullReleaseAck",), notif_delay_s=1.5, slow_reads=("queue-slow",), slow_read_s=2.0
-            ),
-            **LIVE,
-        ),
-        # acks never come, READs of "qdrop-slow" in flight for 3 s; P's lease as D reckons it: QUEUE_LEASE
-        d_qdrop=Instance(
-            "decode",
-            "pull",
-            lease_s=QUEUE_LEASE,
-            faults=Faults(drop_notifs=("PullReleaseAck",), slow_reads=("qdrop-slow",), slow_read_s=3.0),
-            **LIVE,
-        ),  # fmt: skip
+        p_slowack=Instance("prefill", "pull", faults=Faults(delay_notifs=("PullRelease",), notif_delay_s=0.5), **LIVE),
+        d_queue=Instance("decode", "pull", faults=QUEUED_LATE_ACK, **LIVE),
+        d_qdrop=Instance("decode", "pull", lease_s=QUEUE_LEASE, faults=QUEUED_LOST_ACK, **LIVE),
         pp=Instance("prefill", "push", **LIVE),
         dp=Instance("decode", "push", **LIVE),
         pp_err=Instance("prefill", "push", faults=Faults(fail_posts=True), **LIVE),
@@ -173,6 +165,24 @@ def test_ack_that_never_comes_behind_other_reads_fails_at_the_lease(cl):
     assert 3.0 + TIMEOUT - 0.1 < time.monotonic() - started < 3.0 + TIMEOUT + 1.0
     for rid in ("qdrop-fast", "qdrop-slow"):
         assert_one_result(d, rid, p, f"p-{rid}")
+
+
+def test_starved_d_neither_declares_p_dead_nor_drops_its_ack(cl):
+    """D gets no CPU (SIGSTOP) for twice peer_timeout_s while it waits for P's ack, which P sends meanwhile: on
+    waking D reads it before judging the deadline, and does not count its own stall as P's silence."""
+    p, d = cl["p_slowack"], cl["d"]
+    before, p_kv = d.kv(), p.kv()
+    start_pull(p, d, "stall1", (1, 2), (13, 14))
+    time.sleep(0.2)  # READ done, release sent; P answers it 0.5 s after it arrives
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(2 * TIMEOUT)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    kind, reason = d.wait_result("stall1")
+    assert kind == "finished", reason
+    assert_exact(d, before, p_kv, d_blocks=(13, 14))
+    assert_one_result(d, "stall1", p, "p-stall1")
 
 
 def test_nixl_read_error_fails_cleanly_and_frees_p(cl):

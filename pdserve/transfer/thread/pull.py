@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 1.0  # a timed-out READ NIXL could not cancel is retried this often (blocks stay held)
 MAX_EARLY_RELEASES = 4096  # releases that arrived before their SendTask (kept briefly)
+STALL_S = 0.05  # a confirmation timer this late means this thread did not run: read what arrived before judging
 MAX_GONE_PINS = 16384  # P: request ids whose pins ended without a release (expired, released), for late releases
 
 
@@ -71,6 +72,7 @@ class _Read:
     lease_end: float = 0.0  # time.monotonic() by which P has freed its pin by lease (its capability's expiry)
     released_at: float = 0.0  # time.monotonic() the releases after the READ were sent (CONFIRMING)
     confirm_at: float = 0.0  # the armed confirmation timer's due time (an older timer is stale)
+    late: bool = False  # the armed timer is the one extra turn given after a timer that fired late
 
     @property
     def peer(self) -> Peer | None:
@@ -386,8 +388,11 @@ class PullCore:
         if self.reads.get(rid) is not rd or rd.state is not ReadState.CONFIRMING or at != rd.confirm_at:
             return  # over, or a later deadline was armed
         now, (due, cut) = time.monotonic(), self._confirm_due(rd)
-        if due > now:  # a READ from P went on past the deadline this timer was armed for
-            self._arm(rid, rd, due)
+        # this thread did not run for a while (starved): judge after one turn of reading what came meanwhile
+        late = due <= now and now - at > STALL_S and not rd.late
+        if due > now or late:  # (or a READ from P went on past the deadline this timer was armed for)
+            rd.late = late
+            self._arm(rid, rd, max(due, now + STALL_S))
             return
         t, waited = self.ctx.cfg.peer_timeout_s, now - rd.released_at
         if cut:
