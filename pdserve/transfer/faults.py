@@ -4,7 +4,8 @@ A test harness builds a Faults and hands it to the server (`pdserve.server.cli.r
 tests/e2e/serve_with_faults.py does) or to the connectors (TransferConfig.faults); no flag, no environment
 variable. The default, NO_FAULTS, costs one comparison per fault point.
 The fault suite (tests/transfer/test_faults.py) drops, duplicates, delays and so reorders notifications by
-message type on receipt, fails NIXL posts, and delays a pull's READ past a short lease.
+message type on receipt, fails NIXL posts, delays a pull's READ past a short lease, and holds chosen READs in
+flight (so acks wait behind them).
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ class Faults:
     delay_notifs: tuple[str, ...] = ()  # delivered notif_delay_s late (so later notifications overtake them)
     notif_delay_s: float = 0.0
     fail_posts: bool = False  # every READ/WRITE post fails as a NIXL error would (AgentError)
+    # D (pull): the READs of these request ids count as in flight until slow_read_s after their post, as a READ
+    # queued behind others in one ordered stream (UCX's emulated GET) does; the others' acks wait behind them
+    slow_reads: tuple[str, ...] = ()
+    slow_read_s: float = 0.0
 
     def __post_init__(self) -> None:
         for point in FaultPoint:
             if not self.delay_s(point) >= 0:
                 raise ValueError(f"delay_{point.value}_s must be >= 0, got {self.delay_s(point)}")
-        if not self.notif_delay_s >= 0:
-            raise ValueError(f"notif_delay_s must be >= 0, got {self.notif_delay_s}")
+        for name in ("notif_delay_s", "slow_read_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def delay_s(self, point: FaultPoint) -> float:
         return float(getattr(self, f"delay_{point.value}_s"))
@@ -66,7 +72,7 @@ class Faults:
     @classmethod
     def from_json(cls, text: str) -> Faults:
         values = json.loads(text)
-        for name in ("drop_notifs", "duplicate_notifs", "delay_notifs"):  # JSON has lists, the fields are tuples
+        for name in ("drop_notifs", "duplicate_notifs", "delay_notifs", "slow_reads"):  # JSON lists, tuples here
             if name in values:
                 values[name] = tuple(values[name])
         return cls(**values)

@@ -3,6 +3,8 @@ wrong bytes reported as received — and every survivor lets go of its blocks (P
 D: exactly one recv result) within seconds. Connector pairs in real processes (harness.py), faults through
 the test-only Faults object; instances are shared by the module, ids are unique per test."""
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -13,6 +15,11 @@ from pdserve.transfer.faults import Faults
 
 TIMEOUT = 1.0  # peer_timeout_s of the faulted instances (heartbeat_s 0.25)
 LIVE = dict(heartbeat_s=0.25, peer_timeout_s=TIMEOUT)
+QUEUE_LEASE = 1.5  # d_qdrop's lease_s: the longest it waits for an ack held back by other READs
+# D: acks 1.5 s late (past TIMEOUT), READs of "queue-slow" in flight for 2 s (as READs served in order are)
+QUEUED_LATE_ACK = Faults(delay_notifs=("PullReleaseAck",), notif_delay_s=1.5, slow_reads=("queue-slow",), slow_read_s=2)
+# D: acks never come, READs of "qdrop-slow" in flight for 3 s (past QUEUE_LEASE)
+QUEUED_LOST_ACK = Faults(drop_notifs=("PullReleaseAck",), slow_reads=("qdrop-slow",), slow_read_s=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +34,9 @@ def cl():
         p_dup=Instance("prefill", "pull", faults=Faults(duplicate_notifs=("PullRelease",)), **LIVE),
         d_late=Instance("decode", "pull", faults=Faults(delay_notifs=("PullReleaseAck",), notif_delay_s=0.3), **LIVE),
         d_err=Instance("decode", "pull", faults=Faults(fail_posts=True), **LIVE),
+        p_slowack=Instance("prefill", "pull", faults=Faults(delay_notifs=("PullRelease",), notif_delay_s=0.5), **LIVE),
+        d_queue=Instance("decode", "pull", faults=QUEUED_LATE_ACK, **LIVE),
+        d_qdrop=Instance("decode", "pull", lease_s=QUEUE_LEASE, faults=QUEUED_LOST_ACK, **LIVE),
         pp=Instance("prefill", "push", **LIVE),
         dp=Instance("decode", "push", **LIVE),
         pp_err=Instance("prefill", "push", faults=Faults(fail_posts=True), **LIVE),
@@ -108,6 +118,71 @@ def test_delayed_ack_still_lands_exact_bytes(cl):
     assert kind == "finished", reason
     assert_exact(cl["d_late"], before, p_kv)
     assert_one_result(cl["d_late"], "late1", cl["p"], "p-late1")
+
+
+def start_pull(p, d, rid, p_blocks, d_blocks, num_prompt=8):
+    """P finishes p-rid, D starts receiving rid; returns P's cache."""
+    keep, params = p.call("finish", f"p-{rid}", list(p_blocks), num_prompt, {"do_remote_decode": True})
+    assert keep
+    d.call("needs", rid, params)
+    d.call("alloc", rid, list(d_blocks), 0, num_prompt)
+
+
+def test_ack_queued_behind_another_read_still_lands(cl):
+    """P's ack comes 1.5 s after the release (past peer_timeout_s) while another request's READ from the same P
+    is in flight on D (2 s, as READs served in order by an emulated GET are): P's answer is held back by that
+    READ, not lost, so D waits for it and runs on exact bytes. The slow READ's own ack is as late with nothing
+    in flight after it: that one still fails at peer_timeout_s. Each pin and each recv ends exactly once."""
+    p, d = cl["p"], cl["d_queue"]
+    before, p_kv = d.kv(), p.kv()
+    started = time.monotonic()
+    start_pull(p, d, "queue-slow", (9, 10), (13, 14))
+    start_pull(p, d, "queue-fast", (11, 12), (1, 2))
+    kind, reason = d.wait_result("queue-fast")
+    assert kind == "finished", reason
+    assert 1.4 < time.monotonic() - started < 2.5  # its ack's delay: past the plain deadline, before the slow READ
+    after = d.kv()
+    assert np.array_equal(after[[1, 2]], expected_kv(before, p_kv, [1, 2], [11, 12], 0, 7)[[1, 2]])
+    kind, reason = d.wait_result("queue-slow")
+    assert kind == "failed" and "did not confirm" in reason and f"within {TIMEOUT:g} s" in reason, reason
+    assert 2.0 + TIMEOUT - 0.1 < time.monotonic() - started < 2.0 + 1.5  # before its late ack came
+    for rid in ("queue-fast", "queue-slow"):
+        assert_one_result(d, rid, p, f"p-{rid}")  # the releases arrived: P freed both pins
+
+
+def test_ack_that_never_comes_behind_other_reads_fails_at_the_lease(cl):
+    """The ack is lost while another READ from the same P stays in flight past P's lease: D waits at most until
+    P would have freed the pin anyway, then fails; the slow READ, once over, gets the plain peer_timeout_s."""
+    p, d = cl["p"], cl["d_qdrop"]
+    started = time.monotonic()
+    start_pull(p, d, "qdrop-slow", (13, 14), (5, 6))
+    start_pull(p, d, "qdrop-fast", (15, 0), (7, 8))
+    kind, reason = d.wait_result("qdrop-fast")
+    assert kind == "failed" and "did not confirm" in reason and "lease ran out" in reason, reason
+    assert QUEUE_LEASE - 0.1 < time.monotonic() - started < QUEUE_LEASE + 1.0
+    kind, reason = d.wait_result("qdrop-slow")
+    assert kind == "failed" and "did not confirm" in reason and f"within {TIMEOUT:g} s" in reason, reason
+    assert 3.0 + TIMEOUT - 0.1 < time.monotonic() - started < 3.0 + TIMEOUT + 1.0
+    for rid in ("qdrop-fast", "qdrop-slow"):
+        assert_one_result(d, rid, p, f"p-{rid}")
+
+
+def test_starved_d_neither_declares_p_dead_nor_drops_its_ack(cl):
+    """D gets no CPU (SIGSTOP) for twice peer_timeout_s while it waits for P's ack, which P sends meanwhile: on
+    waking D reads it before judging the deadline, and does not count its own stall as P's silence."""
+    p, d = cl["p_slowack"], cl["d"]
+    before, p_kv = d.kv(), p.kv()
+    start_pull(p, d, "stall1", (1, 2), (13, 14))
+    time.sleep(0.2)  # READ done, release sent; P answers it 0.5 s after it arrives
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(2 * TIMEOUT)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    kind, reason = d.wait_result("stall1")
+    assert kind == "finished", reason
+    assert_exact(d, before, p_kv, d_blocks=(13, 14))
+    assert_one_result(d, "stall1", p, "p-stall1")
 
 
 def test_nixl_read_error_fails_cleanly_and_frees_p(cl):

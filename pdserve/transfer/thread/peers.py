@@ -8,6 +8,14 @@ side channel. A peer that refuses the connection, answers as another process (ag
 restarted at the same address) or stays silent for peer_timeout_s is dead: it is forgotten (the next request
 handshakes afresh, at no extra cost) and every on_dead callback runs, so the modes fail (or recompute) the
 requests waiting on it at once. A cached peer that restarts is so dropped before the next request uses it.
+
+Silence is judged leniently, because a live peer starved of CPU answers late and a wrong "dead" fails every
+request waiting on it (a 2-core machine lost 5 of 18): any sign of life counts (a Pong, a handshake, and any
+NIXL notification from its agent: only that process sends under that name); a Ping waits for its Pong until
+the peer would be declared dead anyway (not a shorter probe timeout that drops an answer on its way); and time
+this instance itself did not run (its heartbeat timer came late) is not counted as the peer's silence. None of
+these delays noticing a peer that is gone: its side channel refuses at once, a restarted one answers with
+another epoch, and a silent one is still dead after peer_timeout_s of this instance's own running time.
 """
 
 from __future__ import annotations
@@ -26,7 +34,6 @@ from pdserve.transfer.wire import HandshakeReply, HandshakeRequest, Message, Pee
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-PROBE_TIMEOUT_S = 2.0
 
 PeerCallback = Callable[["Peer | None", "str | None"], None]  # (peer, error) — exactly one is None
 RanksCallback = Callable[["dict[int, Peer] | None", "str | None"], None]  # (peer per rank, error)
@@ -80,6 +87,7 @@ class Peers:
         self._waiting: dict[tuple[str, int], list[tuple[str | None, PeerCallback]]] = {}  # handshakes in flight
         self.on_dead: list[Callable[[Peer], None]] = []  # the modes' reactions to a dead peer (transfer thread)
         self._beating = False  # the heartbeat timer chain runs (while _by_addr is not empty)
+        self._beat_due = 0.0  # time.monotonic() the next heartbeat is due (later than that: we did not run)
 
     def by_agent(self, agent_name: str) -> Peer | None:
         return self._by_agent.get(agent_name)
@@ -196,23 +204,34 @@ class Peers:
         log.info("forgot peer %s (%s)", peer.engine_id, peer.agent_name)
 
     # ---- liveness -----------------------------------------------------------------------------------------------
+    def heard_from(self, agent_name: str, now: float) -> None:
+        """A notification from this agent arrived: its process is alive (a restarted one has another name)."""
+        peer = self._by_agent.get(agent_name)
+        if peer is not None:
+            peer.alive_at = max(peer.alive_at, now)
+
     def _start_heartbeats(self) -> None:
         if not self._beating:
             self._beating = True
-            self.loop.call_at(time.monotonic() + self.heartbeat_s, self._heartbeat)
+            self._beat_due = time.monotonic() + self.heartbeat_s
+            self.loop.call_at(self._beat_due, self._heartbeat)
 
     def _heartbeat(self) -> None:
-        """Ping every cached producer; declare dead those silent for peer_timeout_s."""
+        """Ping every cached producer; declare dead those silent for peer_timeout_s of our own running time."""
         now = time.monotonic()
+        stalled = now - self._beat_due  # this thread ran this late: nobody here listened meanwhile
         for key, peer in list(self._by_addr.items()):
+            if stalled > self.heartbeat_s:
+                peer.alive_at = min(now, peer.alive_at + stalled)
             if now - peer.alive_at > self.peer_timeout_s:
-                self._dead(peer, f"no answer on its side channel for {now - peer.alive_at:.1f} s")
+                self._dead(peer, f"silent (no Pong, no notification) for {now - peer.alive_at:.1f} s")
             elif not peer.pinging:
                 peer.pinging = True
                 self.probe(key[0], key[1], peer, self._beat_callback(peer))
         self._beating = bool(self._by_addr)
         if self._beating:
-            self.loop.call_at(now + self.heartbeat_s, self._heartbeat)
+            self._beat_due = now + self.heartbeat_s
+            self.loop.call_at(self._beat_due, self._heartbeat)
 
     def _beat_callback(self, peer: Peer) -> Callable[[bool | None], None]:
         return lambda alive: self._on_beat(peer, alive)
@@ -234,7 +253,8 @@ class Peers:
 
     def probe(self, host: str, port: int, peer: Peer, callback: Callable[[bool | None], None]) -> None:
         """Is peer's agent still alive? callback(False) when its side channel refuses or another agent
-        answers there (the process is gone), True when it answers, None when unknown (timeout)."""
+        answers there (the process is gone), True when it answers, None when unknown (no answer within
+        peer_timeout_s: by then the heartbeat has judged it on its silence anyway)."""
 
         def on_reply(reply: Message | None, error: str | None) -> None:
             if isinstance(reply, Pong):
@@ -243,4 +263,4 @@ class Peers:
                 alive = False if error and REFUSED in error else None
             self.loop.post(lambda: callback(alive))
 
-        self.side.request(host, port, Ping(), min(PROBE_TIMEOUT_S, self.peer_timeout_s), on_reply)
+        self.side.request(host, port, Ping(), self.peer_timeout_s, on_reply)

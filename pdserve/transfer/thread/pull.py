@@ -6,15 +6,22 @@ block coordinates; D handshakes with P once per address (P loads D's agent, to a
 range it lacks, then sends P a PullRelease naming the request and its blocks. P answers with PullReleaseAck:
 held=True when the pin was still in place (then it frees the blocks), held=False when the lease had expired or
 the engine released the pin (abort, POST /kv_transfer/release) — its blocks may have been reused while D read.
-D reports the recv finished only on held=True; held=False, or no answer within peer_timeout_s, fails it (or
-recomputes, by policy). The READ itself carries no notification (a READ that carries one completes only after
-P polls: ~1 ms vs ~30 us); the confirmation costs one notification round trip (docs/benchmarks.md).
+D reports the recv finished only on held=True; held=False, or no answer in time, fails it (or recomputes, by
+policy). The READ itself carries no notification (a READ that carries one completes only after P polls: ~1 ms
+vs ~30 us); the confirmation costs one notification round trip (docs/benchmarks.md).
+
+"In time" (_confirm_due): peer_timeout_s after the release, restarted when the last READ from that P rank still
+in flight on this D (any request) is over, and never past P's lease of the request. A READ served in order
+behind others (UCX's emulated GET) holds P's answer back until those are served: their time is not P's
+silence. Waiting longer never weakens safety, which rests on held=True alone (P had the pin, untouched, when
+the release sent after the READ was DONE arrived); past the lease P has freed the pin anyway, so D stops.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,6 +42,7 @@ log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 1.0  # a timed-out READ NIXL could not cancel is retried this often (blocks stay held)
 MAX_EARLY_RELEASES = 4096  # releases that arrived before their SendTask (kept briefly)
+STALL_S = 0.05  # a confirmation timer this late means this thread did not run: read what arrived before judging
 MAX_GONE_PINS = 16384  # P: request ids whose pins ended without a release (expired, released), for late releases
 
 
@@ -61,6 +69,10 @@ class _Read:
     cancelled: bool = False  # aborted by the engine: report as cancelled when the READs are over
     released: set[int] = field(default_factory=set)  # P ranks sent a PullRelease (each is told exactly once)
     posted_at: float = 0.0
+    lease_end: float = 0.0  # time.monotonic() by which P has freed its pin by lease (its capability's expiry)
+    released_at: float = 0.0  # time.monotonic() the releases after the READ were sent (CONFIRMING)
+    confirm_at: float = 0.0  # the armed confirmation timer's due time (an older timer is stale)
+    late: bool = False  # the armed timer is the one extra turn given after a timer that fired late
 
     @property
     def peer(self) -> Peer | None:
@@ -96,6 +108,7 @@ class PullCore:
         self.gone: OrderedDict[str, str] = OrderedDict()  # P: request id -> why its pin ended without a release
         self.reads: dict[str, _Read] = {}  # D: request id -> pull in progress
         self.confirming: dict[tuple[str, str], str] = {}  # D: _Read.ack_key -> request id
+        self.quiet_at: dict[str, float] = {}  # D: P rank's agent -> time.monotonic() its last READ here was over
         ctx.peers.on_dead.append(self._peer_dead)
 
     def on_step(self, meta: StepMeta, now: float) -> None:
@@ -207,7 +220,11 @@ class PullCore:
         if end > remote.num_tokens:
             self.ctx.sink.recv_failed(rid, f"prefill has KV for {remote.num_tokens} tokens, {end} needed")
             return
-        rd = _Read(task, remote)
+        # P's lease of the pin: the capability's expiry when signed (P's clock + lease_s at its answer), else
+        # this instance's lease_s from now (a deployment sets one --kv-lease-s; P pinned before D heard of it)
+        cap = remote.capability
+        lease_left = cap.expires_at - time.time() if cap is not None else self.ctx.cfg.lease_s
+        rd = _Read(task, remote, lease_end=now + lease_left)
         self.reads[rid] = rd
         self.ctx.thread.call_at(now + self.ctx.cfg.recv_timeout_s, lambda: self._timeout(rid, rd))
         self.ctx.peers.connect_ranks(  # load_me: P answers our PullRelease with a notification
@@ -269,6 +286,8 @@ class PullCore:
             self.ctx.agent.abort(xfer)
 
     def _check(self, rid: str, rd: _Read) -> None:
+        faults = self.ctx.cfg.faults
+        held_back = rid in faults.slow_reads and time.monotonic() < rd.posted_at + faults.slow_read_s
         for p_rank, xfer in rd.xfers.items():
             peer = rd.peers[p_rank]
             try:
@@ -282,12 +301,14 @@ class PullCore:
                 self._abort_reads(rd)
                 self._end(rid, rd, f"READ from {peer.engine_id} rank {p_rank} failed")
                 return
-        if all(x.state is XferState.DONE for x in rd.xfers.values()):
+        if not held_back and all(x.state is XferState.DONE for x in rd.xfers.values()):
             self.ctx.sink.event(rid, "transfer_done")
             self._landed(rid, rd)
 
     def _landed(self, rid: str, rd: _Read) -> None:
         """Every READ is DONE: release every P rank's pin and wait for each to confirm it held throughout."""
+        rd.state = ReadState.CONFIRMING  # (before _reads_over: this read no longer holds P's answers back)
+        self._reads_over(rd)
         if rd.cancelled:
             self._end(rid, rd, None)
             return
@@ -306,9 +327,8 @@ class PullCore:
                 return
             rd.unacked.add(p_rank)
             self.confirming[(peer.agent_name, rd.remote.request_id)] = rid
-        rd.state = ReadState.CONFIRMING
-        deadline = self.ctx.cfg.peer_timeout_s
-        self.ctx.thread.call_at(time.monotonic() + deadline, lambda: self._confirm_timeout(rid, rd))
+        rd.released_at = time.monotonic()
+        self._arm(rid, rd, self._confirm_due(rd)[0])
 
     def _on_ack(self, sender: str, msg: PullReleaseAck) -> None:
         rid = self.confirming.pop((sender, msg.request_id), None)
@@ -331,10 +351,56 @@ class PullCore:
             land(self.ctx, rd.task, rd.peers[0].info.block_size, lambda: self.reads.get(rid) is rd,
                  lambda error: self._end(rid, rd, error))  # fmt: skip
 
-    def _confirm_timeout(self, rid: str, rd: _Read) -> None:
-        if self.reads.get(rid) is rd and rd.state is ReadState.CONFIRMING:
-            t = self.ctx.cfg.peer_timeout_s
-            self._end(rid, rd, f"the prefill instance did not confirm its pin within {t:g} s; the READ is unused")
+    # ---- D: the confirmation deadline (module docstring) -------------------------------------------------------
+    def _confirm_due(self, rd: _Read) -> tuple[float, bool]:
+        """(when D stops waiting for rd's acks, whether P's lease cut the wait short): peer_timeout_s after the
+        release, or after the last READ from an unacked P rank in flight here was over if that is later (none
+        while one is in flight), but never past P's lease, unless that is before the plain deadline."""
+        t = self.ctx.cfg.peer_timeout_s
+        agents = {rd.peers[r].agent_name for r in rd.unacked}
+        quiet = max((self.quiet_at.get(a, 0.0) for a in agents), default=0.0)
+        wanted = math.inf if self._reading_from(agents) else max(rd.released_at, quiet) + t
+        due = max(rd.released_at + t, min(wanted, rd.lease_end))
+        return due, due < wanted
+
+    def _reading_from(self, agents: set[str]) -> bool:
+        """A READ from one of these P agents is in flight on this D (any request)."""
+        return any(
+            rd.state is ReadState.READING and any(x.peer in agents for x in rd.xfers.values())
+            for rd in self.reads.values()
+        )
+
+    def _reads_over(self, rd: _Read) -> None:
+        """rd's READs no longer hold P's answers back: restart the deadline of reads waiting behind them."""
+        now, agents = time.monotonic(), {x.peer for x in rd.xfers.values()}
+        for agent in agents:
+            self.quiet_at[agent] = now
+        for rid, other in self.reads.items():
+            if other.state is ReadState.CONFIRMING and other is not rd:
+                due, _ = self._confirm_due(other)
+                if due < other.confirm_at:
+                    self._arm(rid, other, due)
+
+    def _arm(self, rid: str, rd: _Read, at: float) -> None:
+        rd.confirm_at = at
+        self.ctx.thread.call_at(at, lambda: self._confirm_timeout(rid, rd, at))
+
+    def _confirm_timeout(self, rid: str, rd: _Read, at: float) -> None:
+        if self.reads.get(rid) is not rd or rd.state is not ReadState.CONFIRMING or at != rd.confirm_at:
+            return  # over, or a later deadline was armed
+        now, (due, cut) = time.monotonic(), self._confirm_due(rd)
+        # this thread did not run for a while (starved): judge after one turn of reading what came meanwhile
+        late = due <= now and now - at > STALL_S and not rd.late
+        if due > now or late:  # (or a READ from P went on past the deadline this timer was armed for)
+            rd.late = late
+            self._arm(rid, rd, max(due, now + STALL_S))
+            return
+        t, waited = self.ctx.cfg.peer_timeout_s, now - rd.released_at
+        if cut:
+            why = f"before its lease ran out ({waited:.1f} s after the release, READs from it in flight meanwhile)"
+        else:
+            why = f"within {t:g} s of the release (and of its last READ in flight here)"
+        self._end(rid, rd, f"the prefill instance did not confirm its pin {why}; the READ is unused")
 
     def _peer_dead(self, peer: Peer) -> None:
         """Liveness: a P rank is gone (or restarted); nothing more lands from it, nothing will confirm."""
@@ -344,6 +410,7 @@ class PullCore:
                 continue
             dead = {r for r, p in rd.peers.items() if p.agent_name == peer.agent_name}
             self._end_aborted(rid, rd, dead, f"prefill instance {peer.engine_id} (rank {peer.info.tp_rank}) is gone")
+        self.quiet_at.pop(peer.agent_name, None)
 
     def _end_aborted(self, rid: str, rd: _Read, dead: set[int], error: str) -> None:
         """End the read once none of its READs may still land: those from the dead P ranks cannot (their process
@@ -360,6 +427,8 @@ class PullCore:
     def _end(self, rid: str, rd: _Read, error: str | None) -> None:
         """The recv is over and its blocks are safe: report it once, then free P's blocks on every rank."""
         del self.reads[rid]
+        if rd.state is ReadState.READING:  # its READs are over (DONE, failed or cancelled)
+            self._reads_over(rd)
         for key in rd.ack_keys():
             self.confirming.pop(key, None)
         nbytes = rd.num_bytes if error is None else 0

@@ -54,6 +54,7 @@ class _Dispatch:
     def progress(self, now: float) -> bool:
         faults = self.ctx.cfg.faults
         for sender, raw in self.ctx.agent.notifications():
+            self.ctx.peers.heard_from(sender, now)  # a sign of life, whatever it says (peers.py, liveness)
             try:
                 msg = decode(raw)
             except WireError as e:
