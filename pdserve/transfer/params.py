@@ -191,12 +191,13 @@ def decode_answer(raw: object) -> KVAnswer | None:
 
 
 def _pull_source(raw: dict[str, Any]) -> PullSource:
+    ids = _block_ids(raw)  # first: the key a pull cannot do without, named before the peer's address
     src = PullSource(
         _str(raw, REMOTE_HOST, MAX_ID_LEN),
         _int(raw, REMOTE_PORT, 1, MAX_PORT),
         _opt_str(raw, REMOTE_ENGINE_ID, MAX_ID_LEN),
         _str(raw, REMOTE_REQUEST_ID, MAX_REQUEST_ID_LEN),
-        _block_ids(raw),
+        ids,
         _int(raw, REMOTE_NUM_TOKENS, 0, MAX_TOKENS),
         _opt_int(raw, REMOTE_BLOCK_SIZE, 1, MAX_BLOCK_SIZE),
         _opt_int(raw, TP_SIZE, 1, MAX_TP_SIZE) or 1,
