@@ -22,7 +22,7 @@ thread/ — the transfer thread (and the side-channel thread):
   loop.py            TransferLoop: the transfer thread itself; owns the agent, runs commands, timers and polling
   worker.py          NixlWorker: the ConnectorWorker both modes share; the side-channel request handler
   context.py         TransferContext (what a mode's core works with) and the ModeCore protocol
-  pull.py            PullCore (P's pins and leases, D's READs) and PullWorker
+  pull.py            PullCore (D's READs) and PullWorker; pull_pins.py: P's pins and leases (PinKeeper)
   push.py            PushCore (routes to push_send.py, P's rendezvous and WRITE, and push_recv.py, D's
                      registration and completions) and PushWorker
   landing.py         D, both modes: what happens once a recv's KV landed (staging copy-in, then report)

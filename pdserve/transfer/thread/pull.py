@@ -1,5 +1,5 @@
 """Pull mode on the transfer thread: D READs P's pinned blocks after P has finished (docs/architecture.md).
-The scheduler half is scheduler/pull.py.
+The scheduler half is scheduler/pull.py; P's pins and leases are pull_pins.py.
 
 P (on_request_finished with do_remote_decode) pins the request's blocks under a lease and answers with its
 block coordinates; D handshakes with P once per address (P loads D's agent, to answer it), READs the token
@@ -23,10 +23,9 @@ import enum
 import logging
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.transfer.base import RecvTask, SendTask, StepMeta
+from pdserve.transfer.base import RecvTask, StepMeta
 from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.layout import LayoutError, descriptors, group_segments, num_bytes, pad_last_blocks
 from pdserve.transfer.params import PullSource
@@ -34,16 +33,14 @@ from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
-from pdserve.transfer.thread.results import SendOutcome
+from pdserve.transfer.thread.pull_pins import PinKeeper
 from pdserve.transfer.thread.worker import NixlWorker
 from pdserve.transfer.wire import Message, PullRelease, PullReleaseAck, encode
 
 log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 1.0  # a timed-out READ NIXL could not cancel is retried this often (blocks stay held)
-MAX_EARLY_RELEASES = 4096  # releases that arrived before their SendTask (kept briefly)
 STALL_S = 0.05  # a confirmation timer this late means this thread did not run: read what arrived before judging
-MAX_GONE_PINS = 16384  # P: request ids whose pins ended without a release (expired, released), for late releases
 
 
 class ReadState(enum.Enum):
@@ -88,24 +85,13 @@ class _Read:
         return [(p.agent_name, self.remote.request_id) for p in self.peers.values()]
 
 
-@dataclass
-class _Pin:
-    """P: one request's blocks on this rank, pinned until every rank of the consumer released them."""
-
-    send: SendTask
-    released_by: set[str] = field(default_factory=set)  # D ranks' agents whose release held
-    ok: bool = True  # every release so far said ok
-    num_bytes: int = 0  # bytes the consumer ranks read from this rank
-
-
 class PullCore:
-    """Both pull halves on the transfer thread (an instance may serve as P and D at once)."""
+    """Both pull halves on the transfer thread (an instance may serve as P and D at once): P's pins are
+    pull_pins.PinKeeper's, D's reads are this class's."""
 
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
-        self.pinned: dict[str, _Pin] = {}  # P: request id -> blocks pinned until every D rank's release or lease
-        self.early: OrderedDict[str, list[tuple[str, PullRelease]]] = OrderedDict()  # P: releases before the pin
-        self.gone: OrderedDict[str, str] = OrderedDict()  # P: request id -> why its pin ended without a release
+        self.pins = PinKeeper(ctx)  # P
         self.reads: dict[str, _Read] = {}  # D: request id -> pull in progress
         self.confirming: dict[tuple[str, str], str] = {}  # D: _Read.ack_key -> request id
         self.quiet_at: dict[str, float] = {}  # D: P rank's agent -> time.monotonic() its last READ here was over
@@ -113,9 +99,9 @@ class PullCore:
 
     def on_step(self, meta: StepMeta, now: float) -> None:
         for send in meta.sends:
-            self._pin(send, now)
+            self.pins.pin(send, now)
         for rid in meta.releases:
-            self._unpin(rid, "the prefill instance released the pin (request aborted or its decode leg failed)")
+            self.pins.unpin(rid, "the prefill instance released the pin (request aborted or its decode leg failed)")
         for recv in meta.recvs:
             self._start(recv, now)
         for rid in meta.cancels:
@@ -123,7 +109,7 @@ class PullCore:
 
     def on_notif(self, sender: str, msg: Message, now: float) -> None:
         if isinstance(msg, PullRelease):
-            self._on_release(sender, msg)
+            self.pins.on_release(sender, msg)
         elif isinstance(msg, PullReleaseAck):
             self._on_ack(sender, msg)
         else:
@@ -135,80 +121,12 @@ class PullCore:
                 self._check(rid, rd)
         # P polls fast while it has pinned blocks: D's next READ after a release completes only once P polls;
         # D polls fast while it waits for P's ack
-        return bool(self.pinned) or any(
+        return bool(self.pins.pinned) or any(
             rd.state in (ReadState.READING, ReadState.CONFIRMING) for rd in self.reads.values()
         )
 
     def in_flight(self) -> bool:
         return any(rd.state is ReadState.READING for rd in self.reads.values())
-
-    # ---- P side -----------------------------------------------------------------------------------------------------
-    def _pin(self, send: SendTask, now: float) -> None:
-        rid = send.request_id
-        if rid in self.pinned:  # never: P's request ids are its own; a second pin would leak the first's blocks
-            log.error("pull: request %s is pinned already; the new send is freed at once", rid)
-            self.ctx.sink.send_finished(rid, SendOutcome.FAILED)
-            return
-        self.gone.pop(rid, None)
-        self.pinned[rid] = _Pin(send)
-        self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire(rid, send))
-        for early in self.early.pop(rid, []):  # the engine held the blocks meanwhile: still pinned
-            self._on_release(*early)
-
-    def _on_release(self, sender: str, msg: PullRelease) -> None:
-        """A D rank is done with (or gave up on) a pin. Only a pin of exactly the release's blocks is freed, once
-        every rank of the consumer released it (each D rank releases every P rank, READ from it or not)."""
-        rid = msg.request_id
-        pin = self.pinned.get(rid)
-        if pin is None:
-            if (why := self.gone.get(rid)) is not None:
-                self._ack(sender, msg, False, why)
-            else:  # before its SendTask (the engine holds the blocks until then), or unknown: answered at the pin
-                self.early.setdefault(rid, []).append((sender, msg))
-                while len(self.early) > MAX_EARLY_RELEASES:
-                    self.early.popitem(last=False)
-            return
-        send = pin.send
-        if list(send.pin_ids) != msg.block_ids:
-            log.warning("pull: release of %s names blocks %s, the pin holds %s; pin kept", rid, msg.block_ids,
-                        list(send.pin_ids))  # fmt: skip
-            self._ack(sender, msg, False, "the release names other blocks than the pin holds")
-            return
-        consumer = self.ctx.peers.by_agent(sender)
-        num_consumers = consumer.info.tp_size if consumer is not None else 1
-        pin.released_by.add(sender)
-        pin.ok, pin.num_bytes = pin.ok and msg.ok, pin.num_bytes + msg.num_bytes
-        self._ack(sender, msg, True, "")
-        if len(pin.released_by) >= num_consumers:
-            del self.pinned[rid]
-            self.ctx.sink.send_finished(rid, SendOutcome.OK if pin.ok else SendOutcome.FAILED, pin.num_bytes)
-
-    def _ack(self, sender: str, msg: PullRelease, held: bool, reason: str) -> None:
-        if not msg.ok:
-            return  # D gave up: it waits for no answer
-        if self.ctx.peers.by_agent(sender) is None:
-            log.warning("pull: release of %s from unknown agent %s; not answered", msg.request_id, sender)
-            return
-        try:
-            self.ctx.agent.send_notif(sender, encode(PullReleaseAck(msg.request_id, held, reason)))
-        except AgentError as e:  # D fails the recv after peer_timeout_s
-            log.warning("pull: could not answer the release of %s: %s", msg.request_id, e)
-
-    def _expire(self, rid: str, send: SendTask) -> None:
-        pin = self.pinned.get(rid)
-        if pin is not None and pin.send is send:
-            log.info("pull: lease of %s expired after %g s; freeing its blocks", rid, self.ctx.cfg.lease_s)
-            self._unpin(rid, f"the lease of {self.ctx.cfg.lease_s:g} s expired", SendOutcome.EXPIRED)
-
-    def _unpin(self, rid: str, why: str, outcome: SendOutcome = SendOutcome.FAILED) -> None:
-        """End a pin without D's release: a release that comes later is answered held=False."""
-        self.early.pop(rid, None)
-        if self.pinned.pop(rid, None) is None:
-            return
-        self.gone[rid] = why
-        while len(self.gone) > MAX_GONE_PINS:
-            self.gone.popitem(last=False)
-        self.ctx.sink.send_finished(rid, outcome)
 
     # ---- D side -----------------------------------------------------------------------------------------------------
     def _start(self, task: RecvTask, now: float) -> None:

@@ -1,0 +1,113 @@
+"""Pull mode, P's half on the transfer thread: a finished request's blocks stay pinned under a lease until
+every rank of its consumer (D) released them; each release is answered with PullReleaseAck saying whether the
+pin held throughout (docs/architecture.md, "Pull"). D's half (the READs) is pull.py.
+
+A release names the blocks it read: only a pin of exactly those blocks is freed (a stale or forged release
+cannot free another request's). A release that arrives before its SendTask (the engine holds the blocks
+until then) waits in `early`; one that arrives after the pin ended without it (lease expired, engine released
+it) is answered held=False from `gone`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pdserve.transfer.base import SendTask
+from pdserve.transfer.thread.agent import AgentError
+from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.results import SendOutcome
+from pdserve.transfer.wire import PullRelease, PullReleaseAck, encode
+
+log = logging.getLogger(__name__)
+
+MAX_EARLY_RELEASES = 4096  # releases that arrived before their SendTask (kept briefly)
+MAX_GONE_PINS = 16384  # request ids whose pins ended without a release (expired, released), for late releases
+
+
+@dataclass
+class _Pin:
+    """P: one request's blocks on this rank, pinned until every rank of the consumer released them."""
+
+    send: SendTask
+    released_by: set[str] = field(default_factory=set)  # D ranks' agents whose release held
+    ok: bool = True  # every release so far said ok
+    num_bytes: int = 0  # bytes the consumer ranks read from this rank
+
+
+class PinKeeper:
+    """P: the pinned requests of this rank, their leases, and the answers to D's releases."""
+
+    def __init__(self, ctx: TransferContext) -> None:
+        self.ctx = ctx
+        self.pinned: dict[str, _Pin] = {}  # request id -> blocks pinned until every D rank's release or lease
+        self.early: OrderedDict[str, list[tuple[str, PullRelease]]] = OrderedDict()  # releases before the pin
+        self.gone: OrderedDict[str, str] = OrderedDict()  # request id -> why its pin ended without a release
+
+    def pin(self, send: SendTask, now: float) -> None:
+        rid = send.request_id
+        if rid in self.pinned:  # never: P's request ids are its own; a second pin would leak the first's blocks
+            log.error("pull: request %s is pinned already; the new send is freed at once", rid)
+            self.ctx.sink.send_finished(rid, SendOutcome.FAILED)
+            return
+        self.gone.pop(rid, None)
+        self.pinned[rid] = _Pin(send)
+        self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire(rid, send))
+        for early in self.early.pop(rid, []):  # the engine held the blocks meanwhile: still pinned
+            self.on_release(*early)
+
+    def on_release(self, sender: str, msg: PullRelease) -> None:
+        """A D rank is done with (or gave up on) a pin. Only a pin of exactly the release's blocks is freed, once
+        every rank of the consumer released it (each D rank releases every P rank, READ from it or not)."""
+        rid = msg.request_id
+        pin = self.pinned.get(rid)
+        if pin is None:
+            if (why := self.gone.get(rid)) is not None:
+                self._ack(sender, msg, False, why)
+            else:  # before its SendTask (the engine holds the blocks until then), or unknown: answered at the pin
+                self.early.setdefault(rid, []).append((sender, msg))
+                while len(self.early) > MAX_EARLY_RELEASES:
+                    self.early.popitem(last=False)
+            return
+        send = pin.send
+        if list(send.pin_ids) != msg.block_ids:
+            log.warning("pull: release of %s names blocks %s, the pin holds %s; pin kept", rid, msg.block_ids,
+                        list(send.pin_ids))  # fmt: skip
+            self._ack(sender, msg, False, "the release names other blocks than the pin holds")
+            return
+        consumer = self.ctx.peers.by_agent(sender)
+        num_consumers = consumer.info.tp_size if consumer is not None else 1
+        pin.released_by.add(sender)
+        pin.ok, pin.num_bytes = pin.ok and msg.ok, pin.num_bytes + msg.num_bytes
+        self._ack(sender, msg, True, "")
+        if len(pin.released_by) >= num_consumers:
+            del self.pinned[rid]
+            self.ctx.sink.send_finished(rid, SendOutcome.OK if pin.ok else SendOutcome.FAILED, pin.num_bytes)
+
+    def _ack(self, sender: str, msg: PullRelease, held: bool, reason: str) -> None:
+        if not msg.ok:
+            return  # D gave up: it waits for no answer
+        if self.ctx.peers.by_agent(sender) is None:
+            log.warning("pull: release of %s from unknown agent %s; not answered", msg.request_id, sender)
+            return
+        try:
+            self.ctx.agent.send_notif(sender, encode(PullReleaseAck(msg.request_id, held, reason)))
+        except AgentError as e:  # D fails the recv after peer_timeout_s
+            log.warning("pull: could not answer the release of %s: %s", msg.request_id, e)
+
+    def _expire(self, rid: str, send: SendTask) -> None:
+        pin = self.pinned.get(rid)
+        if pin is not None and pin.send is send:
+            log.info("pull: lease of %s expired after %g s; freeing its blocks", rid, self.ctx.cfg.lease_s)
+            self.unpin(rid, f"the lease of {self.ctx.cfg.lease_s:g} s expired", SendOutcome.EXPIRED)
+
+    def unpin(self, rid: str, why: str, outcome: SendOutcome = SendOutcome.FAILED) -> None:
+        """End a pin without D's release: a release that comes later is answered held=False."""
+        self.early.pop(rid, None)
+        if self.pinned.pop(rid, None) is None:
+            return
+        self.gone[rid] = why
+        while len(self.gone) > MAX_GONE_PINS:
+            self.gone.popitem(last=False)
+        self.ctx.sink.send_finished(rid, outcome)
