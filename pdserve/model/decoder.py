@@ -273,6 +273,8 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq_local", rope_inv_freq(arch, local=True), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
         self.use_cpu_kernel = True  # on the CPU: decode attention through cpu_attention's C kernel
+        self.use_cpu_layer_ops = True  # on the CPU: forward_cpu's fused small ops (needs use_cpu_kernel too;
+        # False keeps the attention kernel and takes the portable small ops: benchmarks compare the two)
         # fused path: cos/sin per position (global rotary, gemma's local rotary), built on first use
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gemv_max_rows = 0  # fused path: steps of at most this many rows use the Triton GEMV (set by
@@ -330,9 +332,10 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def _cpu_library(self, x: torch.Tensor, layer_cache: torch.Tensor) -> ctypes.CDLL | None:
-        """The CPU kernel library when this step takes the fused CPU path (use_cpu_kernel, float32 on the CPU,
-        the library built), else None: the portable layers below."""
-        if not self.use_cpu_kernel or not cpu_ops.fits(x, layer_cache, self.arch.head_dim):
+        """The CPU kernel library when this step takes the fused CPU path (use_cpu_kernel and use_cpu_layer_ops,
+        float32 on the CPU, the library built), else None: the portable layers below."""
+        wanted = self.use_cpu_kernel and self.use_cpu_layer_ops
+        if not wanted or not cpu_ops.fits(x, layer_cache, self.arch.head_dim):
             return None
         return cpu_attention.decode_kernel()
 
