@@ -4,9 +4,10 @@
 
 Bare ops at the built-in model's shapes (SmolLM2-135M: hidden 576, 9 + 3 + 3 heads of 64, intermediate 1536)
 for 512 rows (a prefill) and 1 and 8 rows (decode): add + RMSNorm (portable, torch's F.rms_norm, fused), rotary
-+ KV store, SiLU-and-mul. Then the engine: TTFT of a 512-token prompt and batch-1 decode with
-Decoder.use_cpu_layer_ops on and off (the attention kernel on in both). Every pair alternates, round after
-round; min and median of the rounds are printed.
++ KV store, SiLU-and-mul, and the prefill's SDPA with K/V repeated per query head or read through enable_gqa.
+Then the engine: TTFT of a 512-token prompt and batch-1 decode with Decoder.use_cpu_layer_ops on and off (the
+attention kernel on in both). Every pair alternates, round after round; min and median of the rounds are
+printed.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def bare_ops(rows: int, rounds: int) -> None:
     kv = torch.zeros(rows // 16 + 1, 30, 2, kv_heads, 16, hd)
     cache, slots = layer_view(kv, 3), torch.arange(rows)
     gate_up = torch.randn(rows, 2 * inter)
+    qs, ks, vs = torch.randn(1, heads, rows, hd), torch.randn(1, kv_heads, rows, hd), torch.randn(1, kv_heads, rows, hd)
     reps = max(3, 20000 // rows)
 
     def portable_norm() -> object:
@@ -84,6 +86,12 @@ def bare_ops(rows: int, rounds: int) -> None:
             "fused": lambda: ops.qkv_rope_store(lib, qkv, cos, sin, None, None, 1e-5, cache, slots, heads, kv_heads),
         },
         "silu*up": {"portable": portable_act, "fused": lambda: ops.act_and_mul(lib, gate_up)},
+        "prefill sdpa": {  # attention.py's prefill: K/V repeated per query head, or read through enable_gqa
+            "repeat": lambda: F.scaled_dot_product_attention(
+                qs, ks.repeat_interleave(3, dim=1), vs.repeat_interleave(3, dim=1), is_causal=True
+            ),
+            "enable_gqa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
+        },
     }
     with torch.inference_mode():
         for name, fns in pairs.items():

@@ -8,6 +8,7 @@
  * PARALLEL_MIN_ELEMS elements: a decode step's rows stay on one thread (a parallel region costs more than it
  * saves there, and far more on a loaded machine).
  */
+#pragma GCC target("prefer-vector-width=512") /* AVX-512 CPUs: full-width vectors (gcc's default is 256) */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
