@@ -76,11 +76,10 @@ def paged_attention(
             ks = gather_rows(k_cache, table, span.context_len - first)
             vs = gather_rows(v_cache, table, span.context_len - first)
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, hkv, ctx - first, d]
-        if group > 1:
-            ks = ks.repeat_interleave(group, dim=1)
-            vs = vs.repeat_interleave(group, dim=1)
+        # query head h reads KV head h // group inside SDPA (enable_gqa): no repeat_interleave copy of K and V,
+        # measured 1.7x faster at 512 tokens on the CPU (scripts/bench_cpu_layer_ops.py), the same output
         if offset == 0 and (window is None or span.num_query <= window):
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
             # query i sits at position offset + i and sees keys 0 .. offset + i (windowed: the last `window`)
             qpos = torch.arange(span.num_query, device=q.device).unsqueeze(1) + offset
@@ -88,7 +87,9 @@ def paged_attention(
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        if span.num_query == q.shape[0]:  # the step is this one span: its output is the whole output, no copy
+            return o[0].transpose(0, 1)
         out[rows] = o[0].transpose(0, 1)
     d = ctx.decode
     if d is None:

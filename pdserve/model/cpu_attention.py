@@ -7,8 +7,9 @@ attention.py serves decode rows with the decode kernel. The prefill kernel equal
 
 The kernel is plain C with OpenMP, built with the system C compiler on first use (or ahead of time by `make
 install`: `python -m pdserve.model.cpu_attention`) into ~/.cache/pdserve/kernels/ (XDG_CACHE_HOME respected),
-one file per source, flags and CPU, and loaded through ctypes: no torch headers, no ninja. It links the
+one file per sources, flags and CPU, and loaded through ctypes: no torch headers, no ninja. It links the
 libgomp torch already loaded, so it shares torch's OpenMP threads (torch.get_num_threads()).
+The same library holds a decoder layer's fused small ops (csrc/layer_ops.c, called through cpu_layer_ops.py).
 
 When there is no compiler, the build fails or the inputs do not fit (not float32, not on the CPU),
 `decode_kernel()` returns None and attention.py takes the portable gather-and-matmul path; both give the same
@@ -32,8 +33,8 @@ import torch
 
 from pdserve.model.paged import DecodeBatch
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-ABI = 2  # pdserve_paged_decode_abi() of the source this module calls
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "layer_ops.c"))  # one library
+ABI = 3  # pdserve_paged_decode_abi() of the sources this module (and cpu_layer_ops.py) calls
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
 
@@ -51,7 +52,8 @@ def _cpu_signature() -> str:
 def library_path(cache_dir: Path | None = None) -> Path:
     """Where the built kernel for this source, these flags and this CPU lives."""
     root = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "kernels"
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode())
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_signature().encode())
     return root / f"paged_decode-{key.hexdigest()[:16]}.so"
 
 
@@ -68,7 +70,8 @@ def build(cache_dir: Path | None = None, compiler: str | None = None) -> Path | 
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], check=True, capture_output=True)
+            cmd = [cc, *CFLAGS, *map(str, SOURCES), "-o", str(tmp_out), "-lm"]
+            subprocess.run(cmd, check=True, capture_output=True)
             os.replace(tmp_out, out)
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -91,6 +94,16 @@ def load(path: Path) -> ctypes.CDLL | None:
     pf.argtypes = [_f32p, _f32p, _f32p, _i64, _i64, _i64, _i64p, _i64, _i64, _i64, _i64, _i64, _i64, _i64]
     pf.argtypes += [ctypes.c_float, _f32p]
     pf.restype = None
+    norm = lib.pdserve_add_rmsnorm_f32  # the layer's small ops: csrc/layer_ops.c, called by cpu_layer_ops.py
+    norm.argtypes = [_f32p, _f32p, _f32p, ctypes.c_float, _i64, _i64, _f32p]
+    norm.restype = None
+    rope = lib.pdserve_qkv_rope_store_f32
+    rope.argtypes = [_f32p, _i64, _i64, _f32p, _f32p, _f32p, _f32p, ctypes.c_float, _f32p, _f32p, _i64, _i64, _i64]
+    rope.argtypes += [_i64, _i64p, _i64, _i64, _i64]
+    rope.restype = None
+    act = lib.pdserve_act_and_mul_f32
+    act.argtypes = [_f32p, _i64, _i64, ctypes.c_int32, _f32p]
+    act.restype = None
     return lib
 
 

@@ -16,13 +16,15 @@ local layers' rotary table, the embedding scale (embed()) and softcapping (logit
 portable path. `Decoder.use_fused_kernels = False` forces the portable path (benchmarks compare the two);
 its attention still takes cuda_attention on CUDA.
 
-On the CPU (float32) decode rows read the paged cache in place through a small C kernel (cpu_attention.py,
-built on first use; the portable gather-and-matmul path when it cannot be built). `Decoder.use_cpu_kernel =
-False` forces the portable path there.
+On the CPU (float32) forward() takes forward_cpu when the C kernel library is built (cpu_attention.py, built on
+first use): add+RMSNorm, q/k-norm+rotary+KV store and SiLU- (or GELU-tanh-) and-mul as one C/OpenMP pass each
+(cpu_layer_ops.py), and decode rows read the paged cache in place. Without the library: the portable torch ops
+and gather-and-matmul attention. `Decoder.use_cpu_kernel = False` forces the portable path there.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from typing import cast
@@ -31,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import cpu_attention
+from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable, paged_attention
 from pdserve.model.kv_groups import KVGroups
@@ -141,6 +145,54 @@ class DecoderLayer(nn.Module):
         mlp = self._reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
         return x + self.post_feedforward_layernorm(mlp)
 
+    def forward_cpu(
+        self,
+        lib: ctypes.CDLL,  # the CPU kernel library (cpu_attention.decode_kernel())
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (before its residual add)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream (updated in place), None at layer 0
+        cos: torch.Tensor,  # [T, 1, head_dim / 2] float32
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU float32 path of forward(), its small ops fused (cpu_layer_ops.py): returns (this layer's MLP
+        output, residual stream), whose sum is forward()'s. forward_fused's structure with the C kernels in place
+        of the Triton ones; kept apart so that the CUDA path stays as it was measured."""
+        t = x.shape[0]
+        h, residual = cpu_ops.add_rmsnorm(lib, x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]; q and k are rotated in place below
+        cpu_ops.qkv_rope_store(
+            lib,
+            qkv,
+            cos,
+            sin,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            self.input_layernorm.eps if self.q_norm is None else self.q_norm.eps,
+            layer_cache,
+            ctx.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+        )
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window)  # [T, num_heads, head_dim]
+        x = self._reduce(self.o_proj(attn.reshape(t, self.q_size)))
+        post, pre_ff, post_ff = (
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        )
+        if pre_ff is None or post_ff is None:
+            h, residual = cpu_ops.add_rmsnorm(lib, x, residual, post.weight, post.eps)
+            return self._reduce(self.down_proj(cpu_ops.act_and_mul(lib, self.gate_up_proj(h)))), residual
+        # gemma's sandwich: norm the attention output, add, norm into the MLP; its output leaves normed
+        normed = cpu_ops.add_rmsnorm(lib, x, None, post.weight, post.eps)[0]
+        h, residual = cpu_ops.add_rmsnorm(lib, normed, residual, pre_ff.weight, pre_ff.eps)
+        mlp = self._reduce(self.down_proj(cpu_ops.act_and_mul(lib, self.gate_up_proj(h), self.gelu)))
+        return cpu_ops.add_rmsnorm(lib, mlp, None, post_ff.weight, post_ff.eps)[0], residual
+
     def forward_fused(
         self,
         x: torch.Tensor,  # [T, hidden]: the previous layer's output (before its residual add)
@@ -221,6 +273,8 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq_local", rope_inv_freq(arch, local=True), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
         self.use_cpu_kernel = True  # on the CPU: decode attention through cpu_attention's C kernel
+        self.use_cpu_layer_ops = True  # on the CPU: forward_cpu's fused small ops (needs use_cpu_kernel too;
+        # False keeps the attention kernel and takes the portable small ops: benchmarks compare the two)
         # fused path: cos/sin per position (global rotary, gemma's local rotary), built on first use
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gemv_max_rows = 0  # fused path: steps of at most this many rows use the Triton GEMV (set by
@@ -264,10 +318,26 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)
         cos, sin = self._cos_sin(positions, self.inv_freq, x.dtype)
         local = self._cos_sin(positions, self.inv_freq_local, x.dtype) if self.arch.local_rope_theta else None
-        for layer, (cache, layer_ctx) in zip(self.decoder_layers, self._layer_caches(kv_cache, ctx), strict=True):
+        caches = self._layer_caches(kv_cache, ctx)
+        lib = self._cpu_library(x, caches[0][0]) if caches else None
+        if lib is not None:  # CPU float32: the layers' small ops fused (cpu_layer_ops.py)
+            residual: torch.Tensor | None = None
+            for layer, (cache, layer_ctx) in zip(self.decoder_layers, caches, strict=True):
+                c, s = local if layer.local_rope and local is not None else (cos, sin)
+                x, residual = layer.forward_cpu(lib, x, residual, c, s, cache, layer_ctx)
+            return cpu_ops.add_rmsnorm(lib, x, residual, self.norm.weight, self.norm.eps)[0]
+        for layer, (cache, layer_ctx) in zip(self.decoder_layers, caches, strict=True):
             c, s = local if layer.local_rope and local is not None else (cos, sin)
             x = layer(x, c, s, cache, layer_ctx, self.use_cpu_kernel)
         return self.norm(x)
+
+    def _cpu_library(self, x: torch.Tensor, layer_cache: torch.Tensor) -> ctypes.CDLL | None:
+        """The CPU kernel library when this step takes the fused CPU path (use_cpu_kernel and use_cpu_layer_ops,
+        float32 on the CPU, the library built), else None: the portable layers below."""
+        wanted = self.use_cpu_kernel and self.use_cpu_layer_ops
+        if not wanted or not cpu_ops.fits(x, layer_cache, self.arch.head_dim):
+            return None
+        return cpu_attention.decode_kernel()
 
     @staticmethod
     def _cos_sin(

@@ -18,7 +18,8 @@
 
 #define PARALLEL_MIN (1 << 18) /* elements of K read per step: batch 1 at 512 tokens x 3 heads x 64 reads 2^16.6 */
 
-int pdserve_paged_decode_abi(void) { return 2; } /* bump with any change to the signatures below (2: + prefill) */
+/* bump with any change to the signatures below or in layer_ops.c (2: + prefill; 3: + layer_ops.c) */
+int pdserve_paged_decode_abi(void) { return 3; }
 
 void pdserve_paged_decode_f32(const float *q,          /* [B, num_heads, head_dim] contiguous */
                               const float *k, const float *v, /* cache bases (layer views) */
