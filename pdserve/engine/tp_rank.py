@@ -22,12 +22,15 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from pdserve.config import EngineConfig
 from pdserve.model.kv_groups import KVGroups
+
+if TYPE_CHECKING:  # the rank imports torch only once spawned
+    from pdserve.model.parallel import NcclCollectives, ProcessGroupCollectives
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +204,7 @@ def _start_worker(
     return worker, side_port
 
 
-def _watch_parent(parent_pid: int, comm: Any) -> None:
+def _watch_parent(parent_pid: int, comm: ProcessGroupCollectives | NcclCollectives) -> None:
     """Until rank 0's process is gone; then abort this rank's collectives and leave (the main thread may be
     inside a CUDA collective that would wait for rank 0 forever)."""
     while os.getppid() == parent_pid:
