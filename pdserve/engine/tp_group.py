@@ -2,7 +2,8 @@
 
 Owned by LLMEngine. Life cycle, in this order (every wait has a deadline, and a rank process that exits
 ends the wait at once):
-  TPGroup(config)      spawns ranks 1..N-1 (multiprocessing spawn, engine/tp_rank.py), one pipe each;
+  TPGroup(config)      opens rank 0's rendezvous store (a TCPStore on a port the kernel picks), then
+                       spawns ranks 1..N-1 (multiprocessing spawn, engine/tp_rank.py), one pipe each;
   connect()            waits for every rank's hello, then joins the process group as rank 0 (gloo on the
                        CPU, NCCL on CUDA) -> the collectives rank 0's decoder uses; starts the watch
                        thread ("pdserve-tp-watch", joined in shutdown()): the moment a rank process
@@ -21,10 +22,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
@@ -51,7 +52,12 @@ class TPGroup:
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.parallel.tensor_parallel_size
         self.device = config.model.device
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # Rank 0's rendezvous store listens before any rank is spawned, on a port the kernel picks: a port
+        # chosen by probing and opened later can be taken meanwhile (two instances starting at once did).
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            "127.0.0.1", 0, self.size, True, timeout=timedelta(seconds=HELLO_TIMEOUT_S), wait_for_workers=False
+        )
+        self.init_method = f"tcp://127.0.0.1:{self._store.port}"
         self.broken: str | None = None  # why the group cannot run steps any more
         self.procs: list[BaseProcess] = []  # rank r is procs[r - 1]
         self.conns: list[Connection] = []  # rank 0's end of rank r's pipe is conns[r - 1]
@@ -80,12 +86,14 @@ class TPGroup:
         self._wait_all("hello", HELLO_TIMEOUT_S)
         if dist.is_initialized():
             raise TPGroupError("a tensor-parallel engine already runs in this process (one per process)")
+        if self._store is None:
+            raise TPGroupError("the tensor-parallel group was shut down")
         device = rank_device(self.device, 0)
         if device.startswith("cuda"):
             import torch
 
             torch.cuda.set_device(device)  # NCCL binds rank 0 to this GPU
-        join_process_group(device, 0, self.size, self.init_method)
+        join_process_group(device, 0, self.size, self._store)
         self._joined_group = True
         self._comm = collectives_for(device, self.size, 0)
         self._watch = threading.Thread(target=self._watch_ranks, name="pdserve-tp-watch", daemon=True)
@@ -188,6 +196,7 @@ class TPGroup:
         if self._joined_group and dist.is_initialized():
             dist.destroy_process_group()
         self._joined_group = False
+        self._store = None  # stops listening
 
     def check(self) -> None:
         """Raise TPGroupError if the group broke (call after reading a step's results: an aborted collective
@@ -255,9 +264,3 @@ class TPGroup:
                 raise TPGroupError(f"tensor-parallel rank {rank} sent {msg['type']!r}, expected {kind!r}")
             out.append(msg)
         return out
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -30,6 +30,8 @@ from pdserve.config import EngineConfig
 from pdserve.model.kv_groups import KVGroups
 
 if TYPE_CHECKING:  # the rank imports torch only once spawned
+    import torch.distributed
+
     from pdserve.model.parallel import NcclCollectives, ProcessGroupCollectives
 
 log = logging.getLogger(__name__)
@@ -82,16 +84,21 @@ def decode_status(data: bytes) -> dict[str, Any]:
     return msg
 
 
-def join_process_group(device: str, rank: int, size: int, init_method: str) -> None:
+def join_process_group(device: str, rank: int, size: int, store: torch.distributed.Store) -> None:
+    """Join the instance's process group through rank 0's rendezvous store (rank 0 opened it, the other
+    ranks hold a client of it: connect_store)."""
     import torch.distributed as dist
 
-    dist.init_process_group(
-        backend_for(device),
-        init_method=init_method,
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def connect_store(init_method: str, size: int, timeout_s: float) -> torch.distributed.TCPStore:
+    """A client of rank 0's rendezvous store at init_method ("tcp://HOST:PORT")."""
+    import torch.distributed as dist
+
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return dist.TCPStore(host, int(port), size, False, timeout=timedelta(seconds=timeout_s))
 
 
 def run_rank(spec: RankSpec, conn: Connection) -> None:
@@ -130,7 +137,7 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     conn.send_bytes(encode_status("hello"))
-    join_process_group(device, spec.rank, spec.size, spec.init_method)
+    join_process_group(device, spec.rank, spec.size, connect_store(spec.init_method, spec.size, COLLECTIVE_TIMEOUT_S))
     comm = collectives_for(device, spec.size, spec.rank)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid, comm), name="pdserve-tp-parent", daemon=True).start()
     loaded = load_model(cfg.model, spec.size, spec.rank, comm, device)
