@@ -24,6 +24,10 @@ T = TypeVar("T")
 REQUEST_ID_HEADER = "X-Request-Id"  # a client's id for its request: logged and echoed, never an engine key
 MAX_REQUEST_ID_CHARS = 128  # longer client ids are cut (logs and echo only)
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20  # a request body larger than this is refused with 413
+# uvicorn's HTTP/1.1 parser (h11) holds at most this much of a request head that has not fully arrived; a longer
+# head gets 400 and a closed connection. Its default (16 KiB) made a 60 KB header pass or fail depending on
+# whether the head arrived in one read (CI saw a connection reset); 64 KiB takes such heads in any split.
+MAX_REQUEST_HEAD_BYTES = 64 * 1024
 
 ERROR_TYPES = {  # HTTP status -> OpenAI error type
     400: "invalid_request_error",

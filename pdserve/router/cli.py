@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.auth import load_secret
     from pdserve.router.proxy import RouterConfig, build_app
+    from pdserve.web import MAX_REQUEST_HEAD_BYTES
 
     try:
         secret = load_secret(args.kv_auth_secret, args.kv_auth_secret_file)
@@ -135,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
+        http="h11",
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
         timeout_graceful_shutdown=5,  # streams still open at shutdown are cut after this long
     )
     return 0

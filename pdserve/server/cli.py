@@ -261,6 +261,7 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.server.api import Limits, build_app
     from pdserve.transfer.capability import KVAuth
+    from pdserve.web import MAX_REQUEST_HEAD_BYTES
 
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -292,6 +293,8 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
+        http="h11",
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
         timeout_keep_alive=30,
         timeout_graceful_shutdown=5,  # streams still open at shutdown are cut after this long
     )
