@@ -17,7 +17,8 @@ from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_spec, num_blocks
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.text import TextTracker
 from pdserve.engine.tp_group import TPGroup, TPGroupError
 from pdserve.engine.tp_rank import rank_device
