@@ -259,7 +259,8 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
     import uvicorn
 
     from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.server.api import Limits, build_app
+    from pdserve.server.api import build_app
+    from pdserve.server.state import Limits
     from pdserve.transfer.capability import KVAuth
 
     failed: list[BaseException] = []
