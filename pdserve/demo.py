@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pdserve.bench.cli_sweep import terminate_as_interrupt
 from pdserve.bench.deploy import Deployment, ServerOptions
-from pdserve.bench.plot import load_results, plot_metric, summary_rows
+from pdserve.bench.plot import plot_metric, summary_rows
+from pdserve.bench.points import load_results
 from pdserve.bench.sweep import Endpoints, Sweep, SweepConfig
 from pdserve.bench.timeline import draw, load_saved
 

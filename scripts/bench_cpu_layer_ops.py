@@ -41,8 +41,9 @@ def report(name: str, samples: dict[str, list[float]], unit: float, label: str) 
 def bare_ops(rows: int, rounds: int) -> None:
     from pdserve.model import cpu_attention
     from pdserve.model import cpu_layer_ops as ops
-    from pdserve.model.decoder import RMSNorm, apply_rope
+    from pdserve.model.decoder_layer import RMSNorm
     from pdserve.model.paged import layer_view, write_kv
+    from pdserve.model.rotary import apply_rope
 
     lib = cpu_attention.decode_kernel()
     assert lib is not None

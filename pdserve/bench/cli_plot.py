@@ -9,16 +9,8 @@ import math
 import sys
 from pathlib import Path
 
-from pdserve.bench.plot import (
-    METRIC_NAMES,
-    PER_REQUEST_METRICS,
-    drift_lines,
-    load_results,
-    plot_metric,
-    plot_over_run,
-    ratio_lines,
-    summary_rows,
-)
+from pdserve.bench.plot import drift_lines, plot_metric, plot_over_run, ratio_lines, summary_rows
+from pdserve.bench.points import METRIC_NAMES, PER_REQUEST_METRICS, load_results
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -236,7 +236,7 @@ def report_max_goodput(paths: list[Path], cfg: SweepConfig) -> None:
     """Print the highest sustained rate per mode; write max_goodput.json and attainment.png beside the results."""
     from pdserve.bench.goodput import as_json, max_goodput, max_goodput_lines, plot_attainment
     from pdserve.bench.metrics import parse_goodput
-    from pdserve.bench.plot import load_results
+    from pdserve.bench.points import load_results
 
     points = load_results(paths)
     results = max_goodput(points, cfg.goodput_threshold)

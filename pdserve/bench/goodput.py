@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.plot import MODE_COLORS, Point, modes_in, per_request_ms
+from pdserve.bench.points import MODE_COLORS, Point, modes_in, per_request_ms
 
 DEFAULT_THRESHOLD = 0.9  # SLO attainment a rate must reach to count as sustained
 

@@ -281,6 +281,7 @@ def summary_table(paths: Sequence[Path]) -> str:
     """The modes side by side, one row per (qps, input, output): median TTFT and TPOT over every request of
     every iteration, goodput and SLO attainment when SLOs were given, and per mode TTFT's median per quarter of
     the run with its drift (last / first quarter)."""
-    from pdserve.bench.plot import load_results, summary_rows
+    from pdserve.bench.plot import summary_rows
+    from pdserve.bench.points import load_results
 
     return summary_rows(load_results(paths))

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.engine.step_plan import Chunk
 from pdserve.model.decoder import Decoder
 from pdserve.model.paged import AttentionContext, DecodeBatch, cache_block_size

@@ -1,69 +1,53 @@
-"""LLMEngine: the step loop that ties scheduler, worker and KV connector together (single thread)."""
+"""LLMEngine: the step loop that ties scheduler, worker and KV connector together (single thread).
+
+Starting the TP ranks, rank 0's model and KV cache is rank_zero.py; the bookkeeping other threads and repeated
+calls read is timelines.py (GET /timeline) and released_pins.py (a repeated release).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.client import EngineStats
-from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_spec, num_blocks_for
+from pdserve.engine.kv_cache import kv_cache_spec
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.rank_zero import start_rank_zero
+from pdserve.engine.released_pins import ReleasedPins
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.text import TextTracker
+from pdserve.engine.timelines import Timelines
 from pdserve.engine.tp_group import TPGroup, TPGroupError
-from pdserve.engine.tp_rank import rank_device
 from pdserve.engine.tp_transfer import TPWorker
-from pdserve.model.loader import load_model, model_arch
-from pdserve.model.parallel import check_tp_split
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
 from pdserve.transfer.params import KVTransferParams, RemoteDecode
 
 log = logging.getLogger(__name__)
 
-MAX_TIMELINES = 2000  # finished requests whose timestamps GET /timeline can still show
-MAX_RELEASED_IDS = 4096  # P: request ids whose pins were released, so a repeated release still answers found
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, wakeup: Callable[[], None] = lambda: None) -> None:
         self.config = config
         tp = config.parallel.tensor_parallel_size
-        self.ranks: TPGroup | None = None  # tensor parallelism: ranks 1..tp-1 (joined in shutdown())
-        if tp > 1:
-            check_tp_split(model_arch(config.model), tp)
-            self.ranks = TPGroup(config)
-        try:
-            comm = None if self.ranks is None else self.ranks.connect()
-            device_name = rank_device(config.model.device, 0) if tp > 1 else config.model.device
-            loaded = load_model(config.model, tp, 0, comm, device_name)
-            self.model_name = loaded.name
-            self.tokenizer = loaded.tokenizer
-            self.max_model_len = loaded.max_model_len
-            self.vocab_size = loaded.arch.vocab_size
-            tok = loaded.tokenizer
-            self.eos_token_ids = tuple(tok.eos_token_ids if tok else loaded.arch.eos_token_ids)
-            dtype = getattr(torch, config.model.dtype)
-            device = torch.device(device_name)
-            block_size = config.cache.block_size
-            kv_heads = loaded.decoder.shard.num_kv_heads  # this rank's
-            self.num_blocks = num_blocks_for(config.cache, loaded.arch, dtype, kv_heads)
-            kv_cache = allocate_kv_cache(loaded.arch, self.num_blocks, block_size, dtype, device, kv_heads)
-            if self.ranks is not None:
-                self.ranks.wait_ready(self.num_blocks)
-        except BaseException:
-            if self.ranks is not None:
-                self.ranks.shutdown()
-            raise
+        started = start_rank_zero(config)  # the TP ranks, ready (joined in shutdown()), rank 0's model and cache
+        self.ranks: TPGroup | None = started.ranks
+        loaded, kv_cache, device, self.num_blocks = started.loaded, started.kv_cache, started.device, started.num_blocks
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.vocab_size = loaded.arch.vocab_size
+        tok = loaded.tokenizer
+        self.eos_token_ids = tuple(tok.eos_token_ids if tok else loaded.arch.eos_token_ids)
+        block_size = config.cache.block_size
         side_ports = self.ranks.side_ports if self.ranks is not None else ()
         self.kv_scheduler, self.kv_worker = make_connectors(
             config.transfer, block_size, tp, side_ports, loaded.decoder.kv_groups
@@ -89,15 +73,14 @@ class LLMEngine:
         self.kv_worker.register_kv_cache(kv_cache, spec)
         self.kv_worker.start(wakeup)  # joined in shutdown()
         self._text: dict[str, TextTracker] = {}
-        self._timelines: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._timelines = Timelines()  # GET /timeline reads a snapshot from the server's thread
         self.ttft_seconds: deque[float] = deque()  # new observations; popped (thread-safe) by the metrics reader
         self.transfer_seconds: deque[float] = deque()  # likewise, moved here from the connector by stats()
         self.transfer_posts: deque[tuple[int, float]] = deque()  # (descriptors, post seconds), likewise
         self.num_steps = 0  # step() calls so far
         self.num_step_failures = 0  # steps whose forward pass raised (their requests failed)
         self.transfer_hook_seconds = 0.0  # engine-thread time spent in the connector hooks (cumulative)
-        # P: request id -> its transfer id (push), of pins released by abort()/release() (a repeat answers found)
-        self._released: OrderedDict[str, str | None] = OrderedDict()
+        self._released = ReleasedPins()  # P: pins given up by abort()/release() (a repeat answers found)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -128,21 +111,14 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, kv_transfer_params)
         req.mark("arrival")
         self.scheduler.add(req)
-        self._timelines[request_id] = {
-            "request_id": request_id,
-            "client_request_id": client_request_id,
-            "role": self.config.transfer.role,
-            "events": req.timeline,
-        }
-        while len(self._timelines) > MAX_TIMELINES:
-            self._timelines.popitem(last=False)
+        self._timelines.add(request_id, client_request_id, self.config.transfer.role, req.timeline)
         self._text[request_id] = TextTracker(self.tokenizer, params.stop, req.prompt_token_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request; one that finished and is pinned for a consumer (P) has its pin released now."""
         req = self.scheduler.abort(request_id)
         if req is None and (pinned := self.scheduler.release_pin(request_id)) is not None:
-            self._remember_released(pinned)
+            self._released.remember(pinned)
         self._submit_transfers()  # now, not at the next step: an idle P may not take one soon
         return None if req is None else self._output(req)
 
@@ -155,7 +131,7 @@ class LLMEngine:
         if rid in self.scheduler.requests:
             return True, self.abort(rid)
         if (pinned := self.scheduler.release_pin(rid)) is not None:
-            self._remember_released(pinned)
+            self._released.remember(pinned)
             self._submit_transfers()
             return True, None
         return rid in self._released, None
@@ -166,13 +142,7 @@ class LLMEngine:
             params = req.kv_transfer_params
             if isinstance(params, RemoteDecode) and params.transfer_id == transfer_id:
                 return req.request_id
-        return next((rid for rid, tid in self._released.items() if tid == transfer_id), None)
-
-    def _remember_released(self, req: Request) -> None:
-        params = req.kv_transfer_params
-        self._released[req.request_id] = params.transfer_id if isinstance(params, RemoteDecode) else None
-        while len(self._released) > MAX_RELEASED_IDS:
-            self._released.popitem(last=False)
+        return self._released.request_of(transfer_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -232,8 +202,7 @@ class LLMEngine:
         if not res:
             return []
         for rid, event, t in res.events:
-            if (tl := self._timelines.get(rid)) is not None:
-                tl["events"].setdefault(event, t)
+            self._timelines.record(rid, event, t)
         outputs = []
         for rid in res.finished_recvs:
             self.scheduler.on_kv_received(rid, res.landed_from.get(rid, ()))
@@ -314,13 +283,8 @@ class LLMEngine:
         )
 
     def timelines(self) -> list[dict[str, Any]]:
-        """A copy of recent timelines; safe to call from another thread (retries if the engine mutated them)."""
-        for _ in range(10):
-            try:
-                return [dict(t, events=dict(t["events"])) for t in list(self._timelines.values())]
-            except RuntimeError:  # changed size during iteration
-                continue
-        return []
+        """A copy of recent timelines; safe to call from another thread (timelines.py)."""
+        return self._timelines.snapshot()
 
     def shutdown(self) -> None:
         self.kv_worker.shutdown()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.sampler import sample
-from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.engine.step_plan import Chunk, plan_of
 from pdserve.model import cpu_attention
 from pdserve.model.decoder import Decoder

@@ -10,47 +10,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.block_tables import BlockTables
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.model.kv_groups import STALE, KVGroups
-from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import ConnectorScheduler
-from pdserve.transfer.params import PullSource, PushSource, RemoteDecode
-
-
-@dataclass
-class ScheduledChunk:
-    """Tokens of one request to compute in this step (the worker's input for that request)."""
-
-    request_id: str
-    token_ids: list[int]  # tokens at positions [start_pos, start_pos + len)
-    start_pos: int  # = the request's num_computed_tokens before this step
-    block_tables: list[list[int]]  # the request's blocks per KV group (covering start_pos + len tokens)
-    sample: bool  # this chunk ends at the request's last token: sample the next one
-    params: SamplingParams
-    num_output_tokens: int  # generated so far (sampling seed step)
-
-    @property
-    def block_ids(self) -> list[int]:
-        """Group 0's blocks (all of them for a one-group model)."""
-        return self.block_tables[0]
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    out_of_blocks: list[Request] = field(default_factory=list)  # alone and still no block: finish ("length")
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+from pdserve.transfer.params import PullSource, PushSource
 
 
 class Scheduler:
+    """Owns the request queues (waiting, running, waiting for KV, pinned, aborting) and plans each step."""
+
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -66,6 +40,8 @@ class Scheduler:
         self.kv_groups = kv_groups or KVGroups.of((), 1)
         self.max_model_len = max_model_len
         self.connector = connector
+        self.tables = BlockTables(pool, block_size, self.kv_groups)  # requests' blocks per KV group
+        self.prefix_cache = PrefixCache(pool, block_size, self.kv_groups)  # hits at admission, blocks after steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}  # D: blocks allocated, KV in flight
@@ -98,14 +74,14 @@ class Scheduler:
         if reason in ("stop", "length"):
             keep = self.connector.on_request_finished(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, req.kv_transfer_params,
-                token_ids=req.token_slice(0, req.num_computed_tokens), block_tables=self._transfer_tables(req),
+                token_ids=req.token_slice(0, req.num_computed_tokens), block_tables=self.tables.for_transfer(req),
             )  # fmt: skip
         else:  # abort or error: nothing to hand over (push: P refuses D's registration at once)
             self.connector.on_request_aborted(req.request_id)
         if keep:
             self.pinned[req.request_id] = req
         else:
-            self._free_blocks(req)
+            self.tables.free(req)
 
     def abort(self, request_id: str) -> Request | None:
         """Abort an unfinished request; a request whose KV is in flight keeps its blocks until the worker
@@ -136,7 +112,7 @@ class Scheduler:
     def on_kv_received(self, request_id: str, landed_from: Sequence[int] = ()) -> None:
         """The KV landed; landed_from: per KV group, the first token it holds (TransferResults.landed_from)."""
         if (req := self.aborting.pop(request_id, None)) is not None:
-            self._free_blocks(req)
+            self.tables.free(req)
             return
         req = self.waiting_for_kv.pop(request_id)
         req.remote_kv_ready = True
@@ -150,7 +126,7 @@ class Scheduler:
     def on_kv_failed(self, request_id: str, recompute: bool) -> Request | None:
         """KV will not arrive (blocks are safe to reuse). Recompute locally, or return the request to fail."""
         if (req := self.aborting.pop(request_id, None)) is not None:
-            self._free_blocks(req)
+            self.tables.free(req)
             return None
         req = self.waiting_for_kv.pop(request_id)
         req.status = RequestStatus.WAITING
@@ -158,7 +134,7 @@ class Scheduler:
             req.needs_remote_kv = False
             req.num_cached_tokens = req.num_computed_tokens  # only D's own prefix-cache hits are valid
             if self.kv_groups.is_windowed:  # its windowed tables are STALE where the prompt is recomputed
-                self._free_blocks(req)  # start over (prefix hits are taken again when it is scheduled)
+                self.tables.free(req)  # start over (prefix hits are taken again when it is scheduled)
                 req.num_computed_tokens = req.num_cached_tokens = req.num_hashed_blocks = 0
             self.waiting.appendleft(req)
             return None
@@ -167,11 +143,11 @@ class Scheduler:
 
     def on_recv_cancelled(self, request_id: str) -> None:
         if (req := self.aborting.pop(request_id, None)) is not None:
-            self._free_blocks(req)
+            self.tables.free(req)
 
     def on_send_finished(self, request_id: str) -> None:
         if (req := self.pinned.pop(request_id, None)) is not None:
-            self._free_blocks(req)
+            self.tables.free(req)
 
     # ---- the step ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -200,11 +176,11 @@ class Scheduler:
                     break
                 continue
             if not req.block_ids:
-                self._take_prefix_hits(req)
+                self.prefix_cache.take_hits(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_to(req, req.num_computed_tokens + num_new):
+            if not self.tables.allocate_to(req, req.num_computed_tokens + num_new):
                 if not req.remote_kv_ready and req.num_computed_tokens == req.num_cached_tokens:
-                    self._free_blocks(req)  # give prefix hits back; retried next step
+                    self.tables.free(req)  # give prefix hits back; retried next step
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -222,8 +198,8 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += len(chunk.token_ids)
-            self._cache_full_blocks(req)
-            self._free_out_of_window(req)
+            self.prefix_cache.cache_full_blocks(req)
+            self.tables.free_out_of_window(req)
             token = sampled.get(chunk.request_id)
             if token is None:
                 continue
@@ -251,25 +227,10 @@ class Scheduler:
             num_output_tokens=len(req.output_token_ids),
         )
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def _allocate_to(self, req: Request, num_tokens: int) -> bool:
-        """Grow every group's table to hold num_tokens; False (nothing taken) when the pool has too few blocks."""
-        want = self._blocks_for(num_tokens)
-        needs = [want - len(t) for t in req.block_tables]
-        if sum(n for n in needs if n > 0) > self.pool.num_free:
-            return False
-        for table, need in zip(req.block_tables, needs, strict=True):
-            if need > 0:
-                last = table[-1] if table and table[-1] != STALE else None
-                table.extend(self.pool.allocate(need, after=last))
-        return True
-
     def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Give a running request blocks for num_tokens, preempting the newest running requests if needed.
         Returns False if req itself had to be preempted."""
-        while not self._allocate_to(req, num_tokens):
+        while not self.tables.allocate_to(req, num_tokens):
             if self.running == [req]:  # nobody left to preempt: the cache cannot hold this request
                 out.out_of_blocks.append(req)  # stays in running; the engine finishes it
                 req.finish_reason = "length"
@@ -282,7 +243,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self._free_blocks(req)
+        self.tables.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_hashed_blocks = 0
@@ -291,86 +252,15 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _free_blocks(self, req: Request) -> None:
-        for table in req.block_tables:
-            self.pool.free(b for b in reversed(table) if b != STALE)
-        req.block_tables = [[] for _ in self.kv_groups.groups]
-        req.kv_valid_from = []
-
-    def _transfer_tables(self, req: Request) -> list[list[int]]:
-        """What the connector hooks get as block_tables: every group's table for a windowed model, else []."""
-        return [list(t) for t in req.block_tables] if self.kv_groups.is_windowed else []
-
-    def _free_out_of_window(self, req: Request) -> None:
-        """Give back every windowed group's blocks that no later query of the request can read. P keeps one
-        token more for a request it hands to a remote decode: D computes the last prompt token itself, so it
-        needs the window before that token (position num_computed - 1)."""
-        keep_from = req.num_computed_tokens - (1 if isinstance(req.kv_transfer_params, RemoteDecode) else 0)
-        for g, table in enumerate(req.block_tables):
-            first = min(self.kv_groups.first_live_block(g, keep_from, self.block_size), len(table))
-            dead = [b for b in table[:first] if b != STALE]
-            if dead:
-                self.pool.free(reversed(dead))  # registered ones stay evictable prefix-cache entries
-                table[:first] = [STALE] * first
-
-    def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
-        """Chained hashes of the request's first num_blocks full blocks (memoised on the request)."""
-        bs = self.block_size
-        while len(req.block_hashes) < num_blocks:
-            i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
-        return req.block_hashes[:num_blocks]
-
-    def _take_prefix_hits(self, req: Request) -> None:
-        # at least one token must be computed (its logits give the next token), so cap at num_tokens - 1
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        tables = self._prefix_hits(self._hashes(req, max_blocks)) if self.pool.enable_prefix_caching else []
-        if not tables:
-            tables = [[] for _ in self.kv_groups.groups]
-        for table in tables:
-            self.pool.touch(b for b in table if b != STALE)
-        req.block_tables = tables
-        num_hits = len(tables[0])
-        req.num_computed_tokens = req.num_cached_tokens = num_hits * self.block_size
-        req.num_hashed_blocks = num_hits
-
-    def _group_hash(self, group: int, block_hash: bytes) -> bytes:
-        """Prefix-cache key of a block of `group` (group 0 keeps the plain chained hash)."""
-        return block_hash if group == 0 else group.to_bytes(2, "little") + block_hash
-
-    def _prefix_hits(self, hashes: list[bytes]) -> list[list[int]]:
-        """Per group, the cached blocks of the longest prefix every group can resume from ([] if none): a
-        full-attention group needs all its blocks cached, a windowed group only those of the window before the
-        first position computed; the table entries before them are STALE."""
-        groups, bs = self.kv_groups.groups, self.block_size
-        full = [g for g, group in enumerate(groups) if group.window is None]
-        cached = [self.pool.lookup([self._group_hash(g, h) for h in hashes]) for g in full]
-        k = min((len(c) for c in cached), default=len(hashes))
-        for num in range(k, 0, -1):
-            tables: list[list[int]] = []
-            for g in range(len(groups)):
-                if groups[g].window is None:
-                    tables.append(cached[full.index(g)][:num])
-                    continue
-                first = self.kv_groups.first_live_block(g, num * bs, bs)
-                live = [self.pool.cached_block(self._group_hash(g, h)) for h in hashes[first:num]]
-                if any(b is None for b in live):
-                    break
-                tables.append([STALE] * first + [b for b in live if b is not None])
-            else:
-                return tables
-        return []
-
     def _park_for_remote_kv(self, req: Request) -> bool:
         """D: allocate blocks for the whole prompt (prefix hits first) and wait for the rest to be written."""
-        self._take_prefix_hits(req)
+        self.prefix_cache.take_hits(req)
         # a windowed group needs only the window before the last prompt token (D computes that token itself)
         for g, table in enumerate(req.block_tables):
             first = self.kv_groups.first_live_block(g, req.num_prompt_tokens - 1, self.block_size)
             table.extend([STALE] * (first - len(table)))
-        if not self._allocate_to(req, req.num_prompt_tokens):
-            self._free_blocks(req)
+        if not self.tables.allocate_to(req, req.num_prompt_tokens):
+            self.tables.free(req)
             return False
         source = req.kv_transfer_params
         if not isinstance(source, PullSource | PushSource):
@@ -380,19 +270,6 @@ class Scheduler:
         self.waiting_for_kv[req.request_id] = req
         self.connector.on_blocks_allocated(
             req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens, source,
-            block_tables=self._transfer_tables(req),
+            block_tables=self.tables.for_transfer(req),
         )  # fmt: skip
         return True
-
-    def _cache_full_blocks(self, req: Request) -> None:
-        num_full = req.num_computed_tokens // self.block_size
-        if num_full <= req.num_hashed_blocks or not self.pool.enable_prefix_caching:
-            return
-        hashes = self._hashes(req, num_full)
-        for g, table in enumerate(req.block_tables):
-            # a block with rows D never received (before kv_valid_from) must not serve another request
-            valid_from = req.kv_valid_from[g] if req.kv_valid_from else 0
-            for i in range(req.num_hashed_blocks, num_full):
-                if table[i] != STALE and i * self.block_size >= valid_from:
-                    self.pool.cache(table[i], self._group_hash(g, hashes[i]))
-        req.num_hashed_blocks = num_full

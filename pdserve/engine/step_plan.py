@@ -41,7 +41,7 @@ class PlanKind(IntEnum):
 
 
 class Chunk(Protocol):
-    """What ModelRunner.forward reads of a chunk (engine/scheduler.py's ScheduledChunk has these fields)."""
+    """What ModelRunner.forward reads of a chunk (engine/scheduler_output.py's ScheduledChunk has these fields)."""
 
     @property
     def token_ids(self) -> Sequence[int]: ...

@@ -12,7 +12,8 @@ ends the wait at once):
   wait_ready(n)        waits until every rank loaded its shard; refuses a rank whose block count is not n;
   run_step(plan, f)    sends the step plan to every rank, then runs f (rank 0's forward pass) on it;
   shutdown()           sends SHUTDOWN, joins every rank (terminate, then kill, past the deadline), leaves
-                       the process group. Always called (LLMEngine.shutdown, or a failed start).
+                       the process group. Always called (LLMEngine.shutdown, or a failed start in
+                       rank_zero.start_rank_zero).
 Plans go over the pipes as explicit int64 words (engine/step_plan.py), never pickle; activations and
 logits go through the process group. After any failed step the group is broken for good (the ranks may
 be out of step): every later step raises TPGroupError at once, and the engine reports itself unhealthy.

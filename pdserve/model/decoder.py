@@ -16,16 +16,18 @@ local layers' rotary table, the embedding scale (embed()) and softcapping (logit
 portable path. `Decoder.use_fused_kernels = False` forces the portable path (benchmarks compare the two);
 its attention still takes cuda_attention on CUDA.
 
-On the CPU (float32) forward() takes forward_cpu when the C kernel library is built (cpu_attention.py, built on
-first use): add+RMSNorm, q/k-norm+rotary+KV store and SiLU- (or GELU-tanh-) and-mul as one C/OpenMP pass each
-(cpu_layer_ops.py), and decode rows read the paged cache in place. Without the library: the portable torch ops
-and gather-and-matmul attention. `Decoder.use_cpu_kernel = False` forces the portable path there.
+On the CPU (float32) forward() takes cpu_layer.forward_cpu for every layer when the C kernel library is built
+(cpu_attention.py, built on first use): add+RMSNorm, q/k-norm+rotary+KV store and SiLU- (or GELU-tanh-) and-mul
+as one C/OpenMP pass each (cpu_layer_ops.py), and decode rows read the paged cache in place. Without the library:
+the portable torch ops and gather-and-matmul attention. `Decoder.use_cpu_kernel = False` forces the portable
+path there.
+
+The layer itself (its weights, portable and fused CUDA forward) is decoder_layer.py; rotary embedding is rotary.py.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Sequence
 from typing import cast
 
@@ -36,213 +38,13 @@ from torch import nn
 from pdserve.model import cpu_attention
 from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.arch import ModelArch
-from pdserve.model.attention import cuda_kernels_usable, paged_attention
+from pdserve.model.attention import cuda_kernels_usable
+from pdserve.model.cpu_layer import forward_cpu
+from pdserve.model.decoder_layer import DecoderLayer, RMSNorm
 from pdserve.model.kv_groups import KVGroups
-from pdserve.model.paged import AttentionContext, layer_view, write_kv
+from pdserve.model.paged import AttentionContext, layer_view
 from pdserve.model.parallel import Collectives, TPShard, shard_for
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(arch: ModelArch, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with llama3-style or linear scaling when the config asks for it.
-
-    local: Gemma 3's windowed layers (their own base, no scaling)."""
-    theta = arch.local_rope_theta if local and arch.local_rope_theta is not None else arch.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim))
-    if arch.rope_scaling is None or local:
-        return inv.float()
-    s = dict(arch.rope_scaling)
-    if s.get("rope_type", s.get("type")) == "linear":
-        return (inv.float() / s["factor"]).float()
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    mid = (1 - smooth) * scaled / factor + smooth * scaled
-    is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    return torch.where(is_mid, mid, scaled).float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim/2]. Rotate-half convention (Hugging Face layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class DecoderLayer(nn.Module):
-    """One layer; with a tensor-parallel shard it holds this rank's heads and MLP rows (model/parallel.py) and
-    all-reduces the outputs of o_proj and down_proj (row-parallel) through `comm`."""
-
-    def __init__(self, arch: ModelArch, shard: TPShard, comm: Collectives | None, index: int) -> None:
-        super().__init__()
-        h, d = shard.num_heads, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, shard.num_kv_heads, d
-        self.q_size, self.kv_size = h * d, shard.num_kv_heads * d
-        self.scale = arch.attn_scale
-        self.window = arch.window_of(index)  # keys a query sees, itself included; None = the whole context
-        self.local_rope = arch.local_rope_theta is not None and self.window is not None  # gemma: local base
-        self.gelu = arch.hidden_act == "gelu_tanh"
-        self.comm = comm  # None at TP 1
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
-        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        # gemma: post_attention_layernorm normalizes the attention output; these two wrap the MLP
-        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.sandwich_norms else None
-        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.sandwich_norms else None
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shard.intermediate_size, arch.hidden_size, bias=False)
-
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum a row-parallel output's partial sums over ranks (identity at TP 1)."""
-        return x if self.comm is None else self.comm.all_reduce(x)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
-        ctx: AttentionContext,
-        cpu_kernel: bool = True,  # CPU decode rows through cpu_attention's kernel when it is built
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:  # one rotation over q and k heads together: half the small ops on the CPU
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        write_kv(layer_cache, k, v, ctx.slot_mapping)
-        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window, cpu_kernel)
-        o = self._reduce(self.o_proj(attn.reshape(t, self.q_size)))
-        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            x = x + o
-            gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-            return x + self._reduce(self.down_proj(F.silu(gate) * up))
-        x = x + self.post_attention_layernorm(o)  # gemma: sandwich norms
-        gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)
-        mlp = self._reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
-        return x + self.post_feedforward_layernorm(mlp)
-
-    def forward_cpu(
-        self,
-        lib: ctypes.CDLL,  # the CPU kernel library (cpu_attention.decode_kernel())
-        x: torch.Tensor,  # [T, hidden]: the previous layer's output (before its residual add)
-        residual: torch.Tensor | None,  # [T, hidden]: the residual stream (updated in place), None at layer 0
-        cos: torch.Tensor,  # [T, 1, head_dim / 2] float32
-        sin: torch.Tensor,
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
-        ctx: AttentionContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The CPU float32 path of forward(), its small ops fused (cpu_layer_ops.py): returns (this layer's MLP
-        output, residual stream), whose sum is forward()'s. forward_fused's structure with the C kernels in place
-        of the Triton ones; kept apart so that the CUDA path stays as it was measured."""
-        t = x.shape[0]
-        h, residual = cpu_ops.add_rmsnorm(lib, x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]; q and k are rotated in place below
-        cpu_ops.qkv_rope_store(
-            lib,
-            qkv,
-            cos,
-            sin,
-            None if self.q_norm is None else self.q_norm.weight,
-            None if self.k_norm is None else self.k_norm.weight,
-            self.input_layernorm.eps if self.q_norm is None else self.q_norm.eps,
-            layer_cache,
-            ctx.slot_mapping,
-            self.num_heads,
-            self.num_kv_heads,
-        )
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window)  # [T, num_heads, head_dim]
-        x = self._reduce(self.o_proj(attn.reshape(t, self.q_size)))
-        post, pre_ff, post_ff = (
-            self.post_attention_layernorm,
-            self.pre_feedforward_layernorm,
-            self.post_feedforward_layernorm,
-        )
-        if pre_ff is None or post_ff is None:
-            h, residual = cpu_ops.add_rmsnorm(lib, x, residual, post.weight, post.eps)
-            return self._reduce(self.down_proj(cpu_ops.act_and_mul(lib, self.gate_up_proj(h)))), residual
-        # gemma's sandwich: norm the attention output, add, norm into the MLP; its output leaves normed
-        normed = cpu_ops.add_rmsnorm(lib, x, None, post.weight, post.eps)[0]
-        h, residual = cpu_ops.add_rmsnorm(lib, normed, residual, pre_ff.weight, pre_ff.eps)
-        mlp = self._reduce(self.down_proj(cpu_ops.act_and_mul(lib, self.gate_up_proj(h), self.gelu)))
-        return cpu_ops.add_rmsnorm(lib, mlp, None, post_ff.weight, post_ff.eps)[0], residual
-
-    def forward_fused(
-        self,
-        x: torch.Tensor,  # [T, hidden]: the previous layer's output (before its residual add)
-        residual: torch.Tensor | None,  # [T, hidden]: the residual stream, None before the first layer
-        positions: torch.Tensor,  # [T] int64
-        cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2] float32 (cuda_kernels.rope_cos_sin)
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
-        ctx: AttentionContext,
-        gemv: bool = False,  # one row: linear layers through the Triton GEMV instead of cuBLAS
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The CUDA path of forward(): returns (this layer's MLP output, residual stream); their sum is forward()'s."""
-        from pdserve.model import cuda_kernels as ck
-
-        def linear(layer: nn.Linear, inp: torch.Tensor) -> torch.Tensor:
-            return ck.gemv(inp, layer.weight, layer.bias) if gemv else layer(inp)
-
-        t = x.shape[0]
-        h, residual = ck.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        qkv = linear(self.qkv_proj, h)  # [T, q_size + 2 * kv_size]; q and k are rotated in place below
-        ck.qkv_rope_store(
-            qkv,
-            positions,
-            cos_sin,
-            None if self.q_norm is None else self.q_norm.weight,
-            None if self.k_norm is None else self.k_norm.weight,
-            layer_cache,
-            ctx.slot_mapping,
-            self.num_heads,
-            self.num_kv_heads,
-            self.input_layernorm.eps if self.q_norm is None else self.q_norm.eps,
-        )
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window)  # [T, num_heads, head_dim]
-        x = self._reduce(linear(self.o_proj, attn.reshape(t, self.q_size)))
-        post, pre_ff, post_ff = (
-            self.post_attention_layernorm,
-            self.pre_feedforward_layernorm,
-            self.post_feedforward_layernorm,
-        )
-        if pre_ff is None or post_ff is None:
-            h, residual = ck.add_rmsnorm(x, residual, post.weight, post.eps)
-            return self._reduce(linear(self.down_proj, ck.silu_and_mul(linear(self.gate_up_proj, h)))), residual
-        # gemma's sandwich: norm the attention output, add, norm into the MLP; its output leaves normed
-        h, residual = ck.add_rmsnorm(
-            ck.add_rmsnorm(x, None, post.weight, post.eps)[0], residual, pre_ff.weight, pre_ff.eps
-        )
-        mlp = self._reduce(linear(self.down_proj, ck.act_and_mul(linear(self.gate_up_proj, h), self.gelu)))
-        return ck.add_rmsnorm(mlp, None, post_ff.weight, post_ff.eps)[0], residual
+from pdserve.model.rotary import cos_sin, rope_inv_freq
 
 
 class Decoder(nn.Module):
@@ -273,7 +75,7 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq_local", rope_inv_freq(arch, local=True), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
         self.use_cpu_kernel = True  # on the CPU: decode attention through cpu_attention's C kernel
-        self.use_cpu_layer_ops = True  # on the CPU: forward_cpu's fused small ops (needs use_cpu_kernel too;
+        self.use_cpu_layer_ops = True  # on the CPU: cpu_layer.forward_cpu's fused small ops (needs use_cpu_kernel too;
         # False keeps the attention kernel and takes the portable small ops: benchmarks compare the two)
         # fused path: cos/sin per position (global rotary, gemma's local rotary), built on first use
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -316,15 +118,15 @@ class Decoder(nn.Module):
         if self.uses_fused_kernels(input_ids.device):
             return self._forward_fused(input_ids, positions, kv_cache, ctx)
         x = self.embed(input_ids)
-        cos, sin = self._cos_sin(positions, self.inv_freq, x.dtype)
-        local = self._cos_sin(positions, self.inv_freq_local, x.dtype) if self.arch.local_rope_theta else None
+        cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
+        local = cos_sin(positions, self.inv_freq_local, x.dtype) if self.arch.local_rope_theta else None
         caches = self._layer_caches(kv_cache, ctx)
         lib = self._cpu_library(x, caches[0][0]) if caches else None
         if lib is not None:  # CPU float32: the layers' small ops fused (cpu_layer_ops.py)
             residual: torch.Tensor | None = None
             for layer, (cache, layer_ctx) in zip(self.decoder_layers, caches, strict=True):
                 c, s = local if layer.local_rope and local is not None else (cos, sin)
-                x, residual = layer.forward_cpu(lib, x, residual, c, s, cache, layer_ctx)
+                x, residual = forward_cpu(layer, lib, x, residual, c, s, cache, layer_ctx)
             return cpu_ops.add_rmsnorm(lib, x, residual, self.norm.weight, self.norm.eps)[0]
         for layer, (cache, layer_ctx) in zip(self.decoder_layers, caches, strict=True):
             c, s = local if layer.local_rope and local is not None else (cos, sin)
@@ -338,14 +140,6 @@ class Decoder(nn.Module):
         if not wanted or not cpu_ops.fits(x, layer_cache, self.arch.head_dim):
             return None
         return cpu_attention.decode_kernel()
-
-    @staticmethod
-    def _cos_sin(
-        positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim / 2] in `dtype`, computed in float32."""
-        freqs = positions.float().unsqueeze(-1) * inv_freq  # [T, head_dim/2], float32
-        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
 
     def _forward_fused(
         self,

@@ -27,7 +27,8 @@ from pdserve.config import ConfigError, ModelConfig
 from pdserve.model.arch import ModelArch
 from pdserve.model.builtin import builtin_gguf_path, builtin_names, is_builtin
 from pdserve.model.checkpoint import SafetensorsWeights, load_checkpoint
-from pdserve.model.decoder import Decoder, RMSNorm, use_column_major_linears
+from pdserve.model.decoder import Decoder, use_column_major_linears
+from pdserve.model.decoder_layer import RMSNorm
 from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 from pdserve.model.presets import get_preset, is_preset, preset_names
 from pdserve.model.tokenizer import Tokenizer

@@ -23,23 +23,21 @@ connections close, and each backend aborts its request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from starlette.background import BackgroundTask
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pdserve.auth import DEFAULT_TTL_S
+from pdserve.router.call import Call, prefill_body
 from pdserve.router.health import HealthMonitor
 from pdserve.router.policy import MODES, Lease, Pool
+from pdserve.router.prefill_info import PrefillInfo
 from pdserve.router.prompt_len import estimate_prompt_tokens
-from pdserve.router.upstream import LegError, get_json, open_stream, post_json
+from pdserve.router.relay import relay_stream
+from pdserve.router.upstream import LegError, open_stream, post_json
 from pdserve.transfer.capability import KVAuth
 from pdserve.transfer.params import (
     KVParamsError,
@@ -51,46 +49,9 @@ from pdserve.transfer.params import (
     decode_answer,
     encode,
 )
-from pdserve.web import REQUEST_ID_HEADER, ClientDisconnected, error_body, race_disconnect, until_disconnect
+from pdserve.web import ClientDisconnected, race_disconnect, until_disconnect
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Call:
-    """One client request as the router handles it."""
-
-    path: str  # /v1/completions or /v1/chat/completions
-    body: dict[str, Any]  # the client's JSON body, untouched
-    request_id: str  # sent to both legs as X-Request-Id
-    http: Request  # the client's request, watched for a disconnect
-    prefill_url: str | None = None  # chosen instances, for the log line
-    decode_url: str | None = None  # the decode instance; in colocated mode the instance that ran it whole
-    is_whole: bool = False  # sent to one instance without a prefill leg (colocated, or a short prompt)
-    headers: dict[str, str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.headers = {REQUEST_ID_HEADER: self.request_id}
-
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-
-def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
-    """The P leg: the client's body cut to one output token, not streamed, with P's transfer params."""
-    out = dict(body)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out["kv_transfer_params"] = kv_transfer_params
-    return out
-
-
-def _error_event(message: str) -> bytes:
-    return f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
 
 
 class Orchestrator:
@@ -121,11 +82,10 @@ class Orchestrator:
         self._prefill = prefill
         self.decode = decode
         self.session = session
-        self.info_timeout_s = info_timeout_s
         self.kv_auth = kv_auth or KVAuth(None)  # signs push capabilities (transfer/capability.py)
         self.colocate_below = colocate_below
         self.num_whole = 0  # calls sent whole to one instance so far (all of them in colocated mode)
-        self._prefill_info: dict[str, asyncio.Future[dict[str, Any]]] = {}  # P URL -> its /kv_transfer/info
+        self.prefill_info = PrefillInfo(session, info_timeout_s)  # push: P URL -> its /kv_transfer/info
         self._background: set[asyncio.Task[Any]] = set()  # P legs still finishing after D answered
         self.monitor: HealthMonitor | None = None  # set by the app: re-checks before a refusal for health
 
@@ -173,7 +133,7 @@ class Orchestrator:
         except BaseException:
             lease.release()
             raise
-        return self._relay_stream(call, resp, lease, [], leg)
+        return relay_stream(call, resp, lease, [], leg)
 
     # --- pull -------------------------------------------------------------------------------------------
 
@@ -230,14 +190,14 @@ class Orchestrator:
             if isinstance(kv, PullSource):
                 self._release_on(p.url, {"request_id": kv.request_id}, call)
             raise
-        return self._relay_stream(call, resp, d_lease, [], "decode")
+        return relay_stream(call, resp, d_lease, [], "decode")
 
     # --- push -------------------------------------------------------------------------------------------
 
     async def _push(self, call: Call) -> Response:
         p, d = self.prefill.choose(), self.decode.choose()
         call.prefill_url, call.decode_url = p.url, d.url
-        info = await race_disconnect(self.prefill_info(p.url), call.http)
+        info = await race_disconnect(self.prefill_info.get(p.url), call.http)
         transfer_id = uuid.uuid4().hex
         host, port, engine_id = info["side_channel_host"], info["side_channel_port"], info["engine_id"]
         cap = self.kv_auth.issue_push(transfer_id, engine_id, host, port, DEFAULT_TTL_S)  # both legs carry it
@@ -267,7 +227,7 @@ class Orchestrator:
             watch.cancel()
             if not succeeded:
                 d_lease.release()
-                self._prefill_info.pop(p.url, None)  # P may have restarted with new coordinates
+                self.prefill_info.forget(p.url)  # P may have restarted with new coordinates
                 self._release_on(p.url, {"transfer_id": transfer_id}, call)  # P may hold the prefill pinned
                 for t in (p_task, d_task):
                     t.cancel()
@@ -278,15 +238,11 @@ class Orchestrator:
         if not call.is_stream:
             d_lease.release()
             return JSONResponse(result, headers=call.headers)
-        return self._relay_stream(call, result, d_lease, [p_task], "decode")
+        return relay_stream(call, result, d_lease, [p_task], "decode")
 
     async def _leased(self, lease: Lease, body: dict[str, Any], call: Call, leg: str) -> dict[str, Any]:
         with lease:
             return await post_json(self.session, leg, lease.backend.url, call.path, body, call.headers)
-
-    def forget_prefill_info(self, url: str) -> None:
-        """Drop P's cached /kv_transfer/info (P restarted: its next request fetches the new coordinates)."""
-        self._prefill_info.pop(url, None)
 
     def _release_on(self, p_url: str, which: dict[str, str], call: Call) -> None:
         """Tell P, in the background, to free the KV it pinned for a decode leg that will never take it
@@ -316,75 +272,3 @@ class Orchestrator:
         else:
             self._background.add(task)
             task.add_done_callback(done)
-
-    async def prefill_info(self, url: str) -> dict[str, Any]:
-        """P's GET /kv_transfer/info, fetched once per URL (concurrent callers share the fetch)."""
-        fut = self._prefill_info.get(url)
-        if fut is None:
-            fut = asyncio.ensure_future(self._fetch_info(url))
-            self._prefill_info[url] = fut
-        try:
-            return await asyncio.shield(fut)
-        except LegError:
-            self._prefill_info.pop(url, None)
-            raise
-
-    async def _fetch_info(self, url: str) -> dict[str, Any]:
-        info = await get_json(self.session, "prefill", url, "/kv_transfer/info", self.info_timeout_s)
-        if not isinstance(info, dict):
-            raise LegError("prefill", url, f"prefill leg to {url}: /kv_transfer/info is not a JSON object")
-        role, mode = info.get("kv_role"), info.get("transfer_mode")
-        if role not in (None, "prefill"):
-            raise LegError(
-                "prefill",
-                url,
-                f"{url} is not a prefill instance (kv role {role!r}); "
-                "push mode needs --kv-role prefill --kv-transfer push",
-            )
-        if mode != "push":
-            raise LegError(
-                "prefill",
-                url,
-                f"prefill instance {url} transfers KV in {mode!r} mode but the router runs in push mode; "
-                "start both instances with --kv-transfer push",
-            )
-        missing = [k for k in ("engine_id", "side_channel_host", "side_channel_port") if k not in info]
-        if missing:
-            raise LegError("prefill", url, f"prefill leg to {url}: /kv_transfer/info lacks {', '.join(missing)}")
-        return info
-
-    # --- streaming relay --------------------------------------------------------------------------------
-
-    def _relay_stream(
-        self, call: Call, resp: aiohttp.ClientResponse, lease: Lease, others: list[asyncio.Task[Any]], leg: str
-    ) -> Response:
-        """Pass D's (or, colocated, the instance's) SSE bytes through. When the client goes away, D's
-        connection is closed (D aborts) and the legs in `others` are cancelled; at the end the lease on D is
-        released. `leg` names D in a mid-stream error."""
-        state = {"complete": False}
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.content.iter_any():
-                    yield chunk
-                state["complete"] = True
-            except (TimeoutError, aiohttp.ClientError) as e:
-                log.warning("request %s: %s stream from %s broke: %s", call.request_id, leg, call.decode_url, e)
-                state["complete"] = True  # the connection is gone anyway
-                yield _error_event(f"{leg} leg to {call.decode_url} failed mid-stream: {e or type(e).__name__}")
-            finally:
-                await cleanup()
-
-        async def cleanup() -> None:
-            lease.release()
-            if state["complete"]:
-                resp.release()
-            else:
-                resp.close()  # closes the connection: D sees the disconnect and aborts
-                for t in others:
-                    t.cancel()
-
-        media_type = resp.headers.get("Content-Type", "text/event-stream")
-        return StreamingResponse(
-            relay(), media_type=media_type, headers=call.headers, background=BackgroundTask(cleanup)
-        )

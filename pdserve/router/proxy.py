@@ -21,8 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.router.call import Call
 from pdserve.router.health import HealthMonitor
-from pdserve.router.orchestrate import Call, Orchestrator
+from pdserve.router.orchestrate import Orchestrator
 from pdserve.router.policy import MODES, POLICIES, Pool
 from pdserve.router.upstream import LegError, get_json, make_session
 from pdserve.transfer.capability import KVAuth
@@ -116,7 +117,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             session,
             config.health_interval_s,
             config.health_timeout_s,
-            holder["orchestrator"].forget_prefill_info,
+            holder["orchestrator"].prefill_info.forget,
         )
         holder["orchestrator"].monitor = monitor
         monitor.start()  # stopped below, before the session closes

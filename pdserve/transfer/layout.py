@@ -189,7 +189,8 @@ def pad_last_blocks(local: BlockLayout, remote: BlockLayout, segments: list[Segm
       token on fresh (Scheduler._park_for_remote_kv: prefix hits are whole blocks and come before start_token,
       which is block aligned; the rest is pool.allocate, no hash and one owner). A padded block holds the last
       transferred token, so it lies after the hits and is shared with no one; D hashes a block for its prefix
-      cache only once it is full of computed tokens (_cache_full_blocks), after D wrote the padded rows itself.
+      cache only once it is full of computed tokens (PrefixCache.cache_full_blocks), after D wrote the padded rows
+      itself.
     - rows past the range are positions >= start + num_tokens: the last prompt token, which D computes itself,
       and output tokens. D computes nothing for the request until the recv is reported finished (it waits in
       WAITING_FOR_REMOTE_KV), which happens after every WRITE/READ landed; each later step writes a position's

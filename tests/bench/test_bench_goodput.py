@@ -15,7 +15,8 @@ from pdserve.bench.client import RequestOutput
 from pdserve.bench.deploy import ServerOptions
 from pdserve.bench.goodput import max_goodput, max_goodput_lines, rescore
 from pdserve.bench.metrics import calculate_metrics, format_summary, parse_goodput
-from pdserve.bench.plot import load_results, summary_rows
+from pdserve.bench.plot import summary_rows
+from pdserve.bench.points import load_results
 from pdserve.bench.sweep import Sweep, SweepConfig, point_stem, pooled_attainment
 from pdserve.router.prompt_len import estimate_prompt_tokens
 

@@ -11,7 +11,8 @@ import pytest
 from pdserve.bench import cli_plot, cli_timeline
 from pdserve.bench.client import RequestOutput
 from pdserve.bench.metrics import calculate_metrics
-from pdserve.bench.plot import load_results, summary_rows
+from pdserve.bench.plot import summary_rows
+from pdserve.bench.points import load_results
 from pdserve.bench.sweep import point_stem
 from pdserve.bench.timeline import join
 

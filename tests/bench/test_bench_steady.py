@@ -22,7 +22,8 @@ from pdserve.bench.metrics import (
     quarter_medians_ms,
     split_quarters,
 )
-from pdserve.bench.plot import load_results, summary_rows
+from pdserve.bench.plot import summary_rows
+from pdserve.bench.points import load_results
 from pdserve.bench.runner import LoadConfig, run_load
 from pdserve.bench.sweep import point_stem
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from pdserve.model.attention import paged_attention
-from pdserve.model.decoder import RMSNorm, apply_rope
+from pdserve.model.decoder_layer import RMSNorm
 from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, layer_view
+from pdserve.model.rotary import apply_rope
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 BF16 = torch.bfloat16

@@ -1,5 +1,5 @@
 """The CPU layer kernels (model/cpu_layer_ops.py, csrc/layer_ops.c) against the portable torch ops they replace
-(model/decoder.py: RMSNorm, apply_rope, paged.write_kv, F.silu / F.gelu-tanh times up), float32, on odd shapes;
+(decoder_layer.RMSNorm, rotary.apply_rope, paged.write_kv, F.silu / F.gelu-tanh times up), float32, on odd shapes;
 and the decoder's fused CPU path against its portable path, hidden states and greedy tokens."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from test_generate import _llm, _prompts
 from pdserve import SamplingParams
 from pdserve.model import cpu_attention
 from pdserve.model import cpu_layer_ops as ops
-from pdserve.model.decoder import RMSNorm, apply_rope
+from pdserve.model.decoder_layer import RMSNorm
 from pdserve.model.paged import layer_view, write_kv
+from pdserve.model.rotary import apply_rope
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
 

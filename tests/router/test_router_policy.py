@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pdserve.router.orchestrate import prefill_body
+from pdserve.router.call import prefill_body
 from pdserve.router.policy import Pool
 from pdserve.router.proxy import RouterConfig
 

@@ -53,6 +53,9 @@ def scheduler_halves() -> list[str]:
 PURE = [
     "pdserve.engine.block_pool",
     "pdserve.engine.scheduler",
+    "pdserve.engine.scheduler_output",
+    "pdserve.engine.block_tables",
+    "pdserve.engine.prefix_cache",
     "pdserve.engine.request",
     "pdserve.sampling_params",
     "pdserve.auth",
@@ -65,6 +68,7 @@ NO_TORCH = [
     "pdserve.engine.client",
     "pdserve.web",
     "pdserve.server.api",
+    "pdserve.server.state",
     "pdserve.server.streams",
     "pdserve.server.metrics",
 ]

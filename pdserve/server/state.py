@@ -1,0 +1,103 @@
+"""What the routes of one instance share (ServerState) and its admission control (Limits).
+
+Lives apart from the routes (api.py) because it is the instance's state machine: the engine-start thread's
+body and outcome, readiness, the names served, and the count of requests in flight that admission control
+reads. build_app's lifespan starts the engine-start thread (start_engine) and joins it after engine.shutdown().
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.engine.client import EngineClient
+from pdserve.server.protocol import ApiError
+from pdserve.transfer.capability import KVAuth
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # what a 503 from admission control asks the client to wait
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Admission control of one instance."""
+
+    max_inflight_requests: int = 1024  # requests held at once (0 = no limit); past it: 503 + Retry-After
+    max_queue_wait_s: float | None = None  # no first token after this long: aborted, 503 (None = no deadline)
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_requests < 0:
+            raise ValueError(f"max_inflight_requests must be >= 0, got {self.max_inflight_requests}")
+        if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
+
+
+class ServerState:
+    """What the routes share: the engine, its start thread, the names it is served under, in-flight ids."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_model_names: list[str] | None,
+        on_start_failure: Callable[[BaseException], None],
+        limits: Limits,
+        kv_auth: KVAuth,
+    ) -> None:
+        self.engine = engine
+        self.kv_auth = kv_auth  # checks capabilities on kv_transfer_params (event loop only)
+        self.limits = limits
+        self.epoch = uuid.uuid4().hex  # this process's identity: a router seeing another one knows it restarted
+        self.num_inflight = 0  # requests admitted and not closed yet (event loop only)
+        self._served_model_names = served_model_names
+        self.on_start_failure = on_start_failure
+        self.start_error: BaseException | None = None
+        self.start_thread: threading.Thread | None = None
+
+    @property
+    def model_names(self) -> list[str]:
+        return self._served_model_names or [self.engine.info.model_name]
+
+    def start_engine(self) -> None:
+        """Body of the engine-start thread."""
+        try:
+            self.engine.start()
+            info = self.engine.info
+            log.info("engine ready: model %s, max_model_len %d", info.model_name, info.max_model_len)
+        except BaseException as e:
+            self.start_error = e
+            log.exception("engine failed to start")
+            self.on_start_failure(e)
+
+    def check_ready(self) -> None:
+        if self.start_error is not None:
+            raise ApiError(503, f"engine failed to start: {self.start_error}")
+        if not self.engine.is_ready:
+            if self.engine.error:  # the engine loop died after it was ready
+                raise ApiError(503, f"engine failed: {self.engine.error}")
+            raise ApiError(503, "engine is loading the model; retry when /health answers 200")
+
+    def resolve_model(self, requested: str | None) -> str:
+        names = self.model_names
+        if requested is not None and requested not in names:
+            raise ApiError(404, f"the model `{requested}` does not exist; this server serves {names}")
+        return requested or names[0]
+
+    def release(self) -> None:
+        self.num_inflight -= 1
+
+    def admit(self) -> None:
+        """Count one more request in flight, or refuse it with 503 when the instance is full."""
+        limit = self.limits.max_inflight_requests
+        if limit and self.num_inflight >= limit:
+            raise ApiError(503, f"server busy: {self.num_inflight} requests in flight (limit {limit}); retry later")
+        self.num_inflight += 1
+
+    @staticmethod
+    def new_request_id() -> str:
+        """The engine's id for a new request: always the server's own (a client's X-Request-Id is logged and
+        echoed, never a key: a client retry must not collide with its first attempt's pinned KV)."""
+        return f"req-{uuid.uuid4().hex}"
