@@ -23,8 +23,9 @@ thread/ — the transfer thread (and the side-channel thread):
   worker.py          NixlWorker: the ConnectorWorker both modes share; the side-channel request handler
   context.py         TransferContext (what a mode's core works with) and the ModeCore protocol
   pull.py            PullCore (D's READs) and PullWorker; pull_pins.py: P's pins and leases (PinKeeper)
-  push.py            PushCore (routes to push_send.py, P's rendezvous and WRITE, and push_recv.py, D's
-                     registration and completions) and PushWorker
+  push.py            PushCore (routes to push_send.py, P's rendezvous, and push_recv.py, D's registration and
+                     completions) and PushWorker; push_rendezvous.py: the rendezvous' state (per transfer id,
+                     per D rank); push_write.py: one D rank's WRITE (descriptors, post, poll)
   landing.py         D, both modes: what happens once a recv's KV landed (staging copy-in, then report)
   agent.py           the only file that imports nixl; errors become AgentError / PeerGone
   netdev.py          UCX_NET_DEVICES before the agent exists: UCX listens on the side channel's interface only
