@@ -48,9 +48,9 @@ from pdserve.transfer.params import (
     PushSource,
     Refusal,
     RemoteDecode,
-    decode_answer,
     encode,
 )
+from pdserve.transfer.params_decode import decode_answer
 from pdserve.web import REQUEST_ID_HEADER, ClientDisconnected, error_body, race_disconnect, until_disconnect
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,8 @@ from pdserve.server.protocol import (
 from pdserve.server.render import Kind, Renderer
 from pdserve.server.streams import RequestRun
 from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import KVParamsError, decode
+from pdserve.transfer.params import KVParamsError
+from pdserve.transfer.params_decode import decode
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
