@@ -8,7 +8,9 @@ Files, laid out by thread. Shared and pure (no torch, numpy or nixl):
   params.py          kv_transfer_params: vLLM's key names, one decode (at the HTTP edge) and one encode, typed
                      values (RemoteDecode, PullSource, PushSource; P's answers PushAnswer, Refusal)
   capability.py      capabilities on kv_transfer_params: issued by P (pull) or the router (push), checked at the edge
-  wire.py            every side-channel/notification message (WIRE_VERSION, encode/decode, compatibility hash)
+  wire.py            the wire codec (WIRE_VERSION, encode/decode, field checks) and the side channel's frames;
+                     wire_notifs.py: the NIXL notifications (pull release/ack, push register/done/cancel/fail);
+                     wire_compat.py: whether two handshakes can exchange KV (compatibility hash, refusal)
   faults.py          test-only Faults (delays, switches) and its one defer() helper; NO_FAULTS in production
   factory.py         make_connectors(): Nop for kv role "both", else pull or push (binds the side channel)
   nop.py             both halves for kv role "both"

@@ -29,7 +29,8 @@ from pdserve.transfer.thread.pull_confirm import ConfirmDeadline
 from pdserve.transfer.thread.pull_pins import PinKeeper
 from pdserve.transfer.thread.pull_read import Read, ReadState
 from pdserve.transfer.thread.worker import NixlWorker
-from pdserve.transfer.wire import Message, PullRelease, PullReleaseAck, encode
+from pdserve.transfer.wire import Message, encode
+from pdserve.transfer.wire_notifs import PullRelease, PullReleaseAck
 
 log = logging.getLogger(__name__)
 

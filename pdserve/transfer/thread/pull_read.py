@@ -14,7 +14,7 @@ from pdserve.transfer.base import RecvTask
 from pdserve.transfer.params import PullSource
 from pdserve.transfer.thread.agent import Xfer
 from pdserve.transfer.thread.peers import Peer
-from pdserve.transfer.wire import PullRelease
+from pdserve.transfer.wire_notifs import PullRelease
 
 
 class ReadState(enum.Enum):

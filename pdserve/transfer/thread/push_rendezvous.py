@@ -16,7 +16,7 @@ from pdserve.transfer.base import SendTask
 from pdserve.transfer.thread.agent import Xfer
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.thread.results import SendOutcome
-from pdserve.transfer.wire import PushRegister
+from pdserve.transfer.wire_notifs import PushRegister
 
 MAX_FINISHED_IDS = 16384  # transfer ids remembered after they were written or expired (late messages)
 

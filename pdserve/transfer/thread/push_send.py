@@ -34,7 +34,7 @@ from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.thread.push_rendezvous import Expected, FinishedTransfers, Registration, Rendezvous
 from pdserve.transfer.thread.push_write import WriteOver, check_write, notify, post_write
 from pdserve.transfer.thread.results import SendOutcome
-from pdserve.transfer.wire import PushCancel, PushCancelAck, PushFail, PushQueued, PushRegister
+from pdserve.transfer.wire_notifs import PushCancel, PushCancelAck, PushFail, PushQueued, PushRegister
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from pdserve.transfer.layout import LayoutError, descriptors, group_ranges, grou
 from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.push_rendezvous import DestPart
-from pdserve.transfer.wire import Message, PushDone, PushRegister, encode
+from pdserve.transfer.wire import Message, encode
+from pdserve.transfer.wire_notifs import PushDone, PushRegister
 
 log = logging.getLogger(__name__)
 
