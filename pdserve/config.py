@@ -84,7 +84,7 @@ class TransferConfig:
     # Liveness (docs/architecture.md, "Liveness"): a peer this instance holds state for is pinged this often on
     # its side channel; one silent for peer_timeout_s (or answering as another process) is dead: its requests
     # fail (or recompute) at once. peer_timeout_s also bounds D's wait for P's PullReleaseAck (restarted after
-    # other READs from P in flight, up to P's lease: thread/pull.py).
+    # other READs from P in flight, up to P's lease: thread/pull_confirm.py).
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 4.0
     faults: Faults = NO_FAULTS  # tests only (transfer/faults.py); no flag sets it

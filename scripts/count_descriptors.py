@@ -4,7 +4,7 @@ baseline revision's (default: 1fda30d, the last with tokens before heads in a bl
     python scripts/count_descriptors.py [--baseline 1fda30d] [--tokens 2048,16384] [--seed 0] [--out counts.json]
 
 Shape: Qwen3-32B (64 layers, 8 KV heads, head dim 128, bf16), blocks of 16 tokens. A prompt of N tokens moves
-N - 1 (D computes the last prompt token itself), built as the transfer thread builds it (push_send.py, pull.py):
+N - 1 (D computes the last prompt token itself), built as the transfer thread builds it (push_write.py, pull.py):
 group_segments, then pad_last_blocks where this tree has it, then descriptors per (D rank, producer rank) pair
 with that pair's head slice (heads.py). Block ids are a random permutation on each side ("scattered", the worst
 case; what a fragmented pool approaches) and, for equal TP, also one run per side ("contiguous", an idle pool).

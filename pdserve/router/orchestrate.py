@@ -46,9 +46,9 @@ from pdserve.transfer.params import (
     PushSource,
     Refusal,
     RemoteDecode,
-    decode_answer,
     encode,
 )
+from pdserve.transfer.params_decode import decode_answer
 from pdserve.web import ClientDisconnected, race_disconnect, until_disconnect
 
 log = logging.getLogger(__name__)

@@ -47,7 +47,8 @@ from pdserve.server.render import Kind, Renderer
 from pdserve.server.state import RETRY_AFTER_S, Limits, ServerState
 from pdserve.server.streams import RequestRun
 from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import KVParamsError, decode
+from pdserve.transfer.params import KVParamsError
+from pdserve.transfer.params_decode import decode
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID_HEADER,

@@ -8,7 +8,9 @@ Files, laid out by thread. Shared and pure (no torch, numpy or nixl):
   params.py          kv_transfer_params: vLLM's key names, one decode (at the HTTP edge) and one encode, typed
                      values (RemoteDecode, PullSource, PushSource; P's answers PushAnswer, Refusal)
   capability.py      capabilities on kv_transfer_params: issued by P (pull) or the router (push), checked at the edge
-  wire.py            every side-channel/notification message (WIRE_VERSION, encode/decode, compatibility hash)
+  wire.py            the wire codec (WIRE_VERSION, encode/decode, field checks) and the side channel's frames;
+                     wire_notifs.py: the NIXL notifications (pull release/ack, push register/done/cancel/fail);
+                     wire_compat.py: whether two handshakes can exchange KV (compatibility hash, refusal)
   faults.py          test-only Faults (delays, switches) and its one defer() helper; NO_FAULTS in production
   factory.py         make_connectors(): Nop for kv role "both", else pull or push (binds the side channel)
   nop.py             both halves for kv role "both"
@@ -22,9 +24,11 @@ thread/ — the transfer thread (and the side-channel thread):
   loop.py            TransferLoop: the transfer thread itself; owns the agent, runs commands, timers and polling
   worker.py          NixlWorker: the ConnectorWorker both modes share; the side-channel request handler
   context.py         TransferContext (what a mode's core works with) and the ModeCore protocol
-  pull.py            PullCore (D's READs) and PullWorker; pull_pins.py: P's pins and leases (PinKeeper)
-  push.py            PushCore (routes to push_send.py, P's rendezvous and WRITE, and push_recv.py, D's
-                     registration and completions) and PushWorker
+  pull.py            PullCore (D's READs) and PullWorker; pull_pins.py: P's pins and leases (PinKeeper);
+                     pull_read.py: one pull's state (Read); pull_confirm.py: D's deadline for P's acks
+  push.py            PushCore (routes to push_send.py, P's rendezvous, and push_recv.py, D's registration and
+                     completions) and PushWorker; push_rendezvous.py: the rendezvous' state (per transfer id,
+                     per D rank); push_write.py: one D rank's WRITE (descriptors, post, poll)
   landing.py         D, both modes: what happens once a recv's KV landed (staging copy-in, then report)
   agent.py           the only file that imports nixl; errors become AgentError / PeerGone
   netdev.py          UCX_NET_DEVICES before the agent exists: UCX listens on the side channel's interface only

@@ -34,7 +34,7 @@ class Faults:
     delay_stage_in_s: float = 0.0  # FaultPoint.STAGE_IN
     delay_read_s: float = 0.0  # FaultPoint.READ
     force_staging: bool = False  # a host mirror even for a CPU cache (staging.py), so CPU tests copy
-    # notifications received by this instance, by message type name (wire.py: "PullRelease", "PushDone", ...)
+    # notifications received by this instance, by message type name (wire_notifs.py: "PullRelease", "PushDone", ...)
     drop_notifs: tuple[str, ...] = ()  # never delivered
     duplicate_notifs: tuple[str, ...] = ()  # delivered twice
     delay_notifs: tuple[str, ...] = ()  # delivered notif_delay_s late (so later notifications overtake them)

@@ -2,19 +2,29 @@
 
 Every message is a msgpack map {"type": <name>, "v": WIRE_VERSION, <fields>}; encode() and decode() are the
 only ways in and out, and decode() checks the version, the type and every field's type, raising WireError
-on anything else (a malformed message from a peer must never crash the transfer thread).
+on anything else (a malformed message from a peer must never crash the transfer thread). The side channel's
+frames are defined here; the NIXL notifications (pull's release, push's registration and completions) are
+wire_notifs.py's, under the same version; whether two handshakes' PeerInfo can exchange KV is wire_compat.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 import msgpack
 
-from pdserve.transfer.heads import mapping_error
+from pdserve.transfer.wire_notifs import (
+    PullRelease,
+    PullReleaseAck,
+    PushCancel,
+    PushCancelAck,
+    PushDone,
+    PushFail,
+    PushQueued,
+    PushRegister,
+)
 
 # 1: first version — handshake, ping, pull release, push register/done/cancel/cancel-ack/fail (2026-11-30).
 # 2: PushRegister.keepalive_ms and PushQueued: P says a registered prefill is queued or running (2026-11-30).
@@ -95,90 +105,6 @@ class Pong:
     engine_id: str
     agent_name: str
     epoch: int  # PeerInfo.epoch of the answering process
-
-
-@dataclass(frozen=True)
-class PullRelease:
-    """Notification D -> P (pull): D is done with P's pinned blocks of request_id."""
-
-    request_id: str  # P's request id (remote_request_id in D's params)
-    ok: bool  # False: D gave up (P counts the transfer as failed)
-    num_bytes: int  # bytes D read
-    block_ids: list[int]  # P's blocks D read from (as in P's answer); P frees only a pin with exactly these
-
-
-@dataclass(frozen=True)
-class PullReleaseAck:
-    """Notification P -> D (pull): the answer to a PullRelease. D runs the request only on held=True: P's pin
-    was still in place (not expired, not released by an abort) when the release arrived, so every byte of the
-    READ D completed before sending the release came from the request's own blocks."""
-
-    request_id: str  # P's request id, as in the release
-    held: bool
-    reason: str  # why not held ("" when held)
-
-
-@dataclass(frozen=True)
-class PushRegister:
-    """Notification D -> P (push): write tokens [start_token, start_token + num_tokens) into these blocks."""
-
-    transfer_id: str
-    attempt: int  # a newer attempt supersedes older ones; data for an old attempt never lands in a new one
-    engine_id: str  # D's engine id
-    block_ids: list[int]  # D's blocks covering tokens [0, start_token + num_tokens)
-    block_size: int  # D's tokens per block
-    start_token: int
-    num_tokens: int
-    tp_rank: int  # D's rank
-    keepalive_ms: int  # while the prefill is queued or running on P, P sends PushQueued at least this often
-    block_tables: list[list[int]]  # windowed model: D's table per KV group (-1: STALE); []: one group, block_ids
-
-
-@dataclass(frozen=True)
-class PushQueued:
-    """Notification P -> D (push): P has this attempt's registration and its prefill is queued or running;
-    D's receive clock restarts (sent at once, then every keepalive_ms). Unknown transfers get no PushQueued."""
-
-    transfer_id: str
-    attempt: int
-
-
-@dataclass(frozen=True)
-class PushDone:
-    """Notification P -> D carried by the WRITE (arrives after the data): one producer rank has written."""
-
-    transfer_id: str
-    attempt: int
-    producer_rank: int
-    num_producers: int  # completions D must count before the request may run
-    num_bytes: int
-
-
-@dataclass(frozen=True)
-class PushCancel:
-    """Notification D -> P (push): D gives up on this attempt; answer with PushCancelAck."""
-
-    transfer_id: str
-    attempt: int
-
-
-@dataclass(frozen=True)
-class PushCancelAck:
-    """Notification P -> D: nothing more will be written for this attempt."""
-
-    transfer_id: str
-    attempt: int
-    producer_rank: int
-    landed: bool  # this rank's write completed before the cancel (its data is in D's blocks)
-
-
-@dataclass(frozen=True)
-class PushFail:
-    """Notification P -> D: P will never write this attempt (expired, aborted, error); D's blocks are safe."""
-
-    transfer_id: str
-    attempt: int
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -300,54 +226,3 @@ def decode(data: bytes) -> Message:
     if cls is None:
         raise WireError(f"unknown message type {obj.get('type')!r}")
     return _build(cls, obj)
-
-
-# ---- compatibility --------------------------------------------------------------------------------------------
-COMPAT_FIELDS = (
-    "model_name", "dtype", "num_layers", "total_kv_heads", "head_dim", "transfer_mode", "wire_version",
-    "group_windows", "group_layers",
-)  # fmt: skip
-
-
-def compat_hash(values: dict[str, Any]) -> str:
-    """Hash over the fields two instances must agree on (COMPAT_FIELDS)."""
-    packed = msgpack.packb([[k, values[k]] for k in COMPAT_FIELDS], use_bin_type=True)
-    return hashlib.sha256(packed).hexdigest()[:16]
-
-
-def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = False) -> str | None:
-    """None if the two can exchange KV, else an error naming both sides' values (for tensor-parallel sizes that
-    cannot map, both sides' TP sizes and KV head counts, as heads.mapping_error words it)."""
-    if local.compat_hash == peer.compat_hash == compat_hash(dataclasses.asdict(peer)):
-        return _mapping(local, peer, local_is_producer)  # any pair of block sizes (layout.group_ranges)
-    diffs = []
-    for name in COMPAT_FIELDS:
-        mine, theirs = getattr(local, name), getattr(peer, name)
-        if mine == theirs:
-            continue
-        if name == "transfer_mode":
-            diffs.append(f"peer is in {theirs} mode, this instance is in {mine} mode")
-        elif name in ("group_windows", "group_layers"):
-            words = f"KV groups: peer has {_groups(peer)}, this instance has {_groups(local)}"
-            diffs += [words] if words not in diffs else []
-        else:
-            diffs.append(f"{name}: peer has {theirs!r}, this instance has {mine!r}")
-    if not diffs:
-        diffs.append(f"compatibility hash: peer sent {peer.compat_hash}, this instance has {local.compat_hash}")
-    return f"incompatible with peer engine {peer.engine_id!r}: " + "; ".join(diffs)
-
-
-def _groups(info: PeerInfo) -> str:
-    """The KV group structure in words: window (or full) and layers per group."""
-    parts = [
-        f"{f'window {w}' if w else 'full'} layers {layers}"
-        for w, layers in zip(info.group_windows, info.group_layers, strict=False)
-    ]
-    return "[" + ", ".join(parts) + "]"
-
-
-def _mapping(local: PeerInfo, peer: PeerInfo, local_is_producer: bool) -> str | None:
-    """Whether the two instances' tensor-parallel sizes map (the model's heads are equal: the hash matched)."""
-    p, d = (local, peer) if local_is_producer else (peer, local)
-    err = mapping_error(p.total_kv_heads, p.tp_size, d.total_kv_heads, d.tp_size)
-    return None if err is None else f"incompatible with peer engine {peer.engine_id!r}: {err}"

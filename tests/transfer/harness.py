@@ -51,7 +51,8 @@ def _child(
     from pdserve.model.kv_groups import KVGroups
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
-    from pdserve.transfer.params import decode, encode
+    from pdserve.transfer.params import encode
+    from pdserve.transfer.params_decode import decode
 
     torch.set_num_threads(1)
     cfg = TransferConfig(**cfg_kwargs)

@@ -9,7 +9,8 @@ import pytest
 
 from pdserve.auth import AuthError
 from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import Mode, PullSource, PushSource, RemoteDecode, decode, encode
+from pdserve.transfer.params import Mode, PullSource, PushSource, RemoteDecode, encode
+from pdserve.transfer.params_decode import decode
 
 SECRET = b"s" * 32
 PROMPT = list(range(100, 140))

@@ -11,10 +11,9 @@ from pdserve.transfer.params import (
     PushSource,
     Refusal,
     RemoteDecode,
-    decode,
-    decode_answer,
     encode,
 )
+from pdserve.transfer.params_decode import decode, decode_answer
 
 PULL = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5600, "remote_block_ids": [0, 1],
         "remote_request_id": "r", "remote_num_tokens": 20, "transfer_mode": "pull"}  # fmt: skip

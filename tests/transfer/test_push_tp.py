@@ -23,18 +23,8 @@ from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.thread.push_recv import RecvSide
 from pdserve.transfer.thread.push_send import SendSide
 from pdserve.transfer.thread.results import SendOutcome
-from pdserve.transfer.wire import (
-    WIRE_VERSION,
-    Message,
-    PeerInfo,
-    PushCancel,
-    PushCancelAck,
-    PushDone,
-    PushFail,
-    PushQueued,
-    PushRegister,
-    decode,
-)
+from pdserve.transfer.wire import WIRE_VERSION, Message, PeerInfo, decode
+from pdserve.transfer.wire_notifs import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister
 
 HEADS, HEAD_DIM, ELEM, LAYERS, BLOCK, BLOCKS = 2, 4, 4, 2, 4, 16
 

@@ -12,17 +12,12 @@ from pdserve.transfer.wire import (
     PeerInfo,
     Ping,
     Pong,
-    PullRelease,
-    PullReleaseAck,
-    PushCancelAck,
-    PushQueued,
-    PushRegister,
     WireError,
-    compat_hash,
     decode,
     encode,
-    incompatibility,
 )
+from pdserve.transfer.wire_compat import compat_hash, incompatibility
+from pdserve.transfer.wire_notifs import PullRelease, PullReleaseAck, PushCancelAck, PushQueued, PushRegister
 
 
 def info(**kw) -> PeerInfo:

@@ -61,6 +61,7 @@ PURE = [
     "pdserve.auth",
     "pdserve.transfer.base",
     "pdserve.transfer.params",
+    "pdserve.transfer.params_decode",
     "pdserve.transfer.faults",
     "pdserve.transfer.factory",
 ]

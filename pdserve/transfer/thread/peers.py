@@ -29,7 +29,8 @@ from pdserve.transfer.layout import BlockLayout
 from pdserve.transfer.thread.agent import AgentError, NixlAgent
 from pdserve.transfer.thread.handshake import REFUSED, SideChannel
 from pdserve.transfer.thread.loop import TransferLoop
-from pdserve.transfer.wire import HandshakeReply, HandshakeRequest, Message, PeerInfo, Ping, Pong, incompatibility
+from pdserve.transfer.wire import HandshakeReply, HandshakeRequest, Message, PeerInfo, Ping, Pong
+from pdserve.transfer.wire_compat import incompatibility
 
 log = logging.getLogger(__name__)
 

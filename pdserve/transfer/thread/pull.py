@@ -1,5 +1,6 @@
 """Pull mode on the transfer thread: D READs P's pinned blocks after P has finished (docs/architecture.md).
-The scheduler half is scheduler/pull.py; P's pins and leases are pull_pins.py.
+The scheduler half is scheduler/pull.py; P's pins and leases are pull_pins.py; one pull's state is
+pull_read.py's, and how long D waits for P's acks pull_confirm.py's (ConfirmDeadline).
 
 P (on_request_finished with do_remote_decode) pins the request's blocks under a lease and answers with its
 block coordinates; D handshakes with P once per address (P loads D's agent, to answer it), READs the token
@@ -9,80 +10,31 @@ the engine released the pin (abort, POST /kv_transfer/release) — its blocks ma
 D reports the recv finished only on held=True; held=False, or no answer in time, fails it (or recomputes, by
 policy). The READ itself carries no notification (a READ that carries one completes only after P polls: ~1 ms
 vs ~30 us); the confirmation costs one notification round trip (docs/benchmarks.md).
-
-"In time" (_confirm_due): peer_timeout_s after the release, restarted when the last READ from that P rank still
-in flight on this D (any request) is over, and never past P's lease of the request. A READ served in order
-behind others (UCX's emulated GET) holds P's answer back until those are served: their time is not P's
-silence. Waiting longer never weakens safety, which rests on held=True alone (P had the pin, untouched, when
-the release sent after the READ was DONE arrived); past the lease P has freed the pin anyway, so D stops.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import time
-from dataclasses import dataclass, field
 
 from pdserve.transfer.base import RecvTask, StepMeta
 from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.layout import LayoutError, descriptors, group_segments, num_bytes, pad_last_blocks
 from pdserve.transfer.params import PullSource
-from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer, XferState
+from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
+from pdserve.transfer.thread.pull_confirm import ConfirmDeadline
 from pdserve.transfer.thread.pull_pins import PinKeeper
+from pdserve.transfer.thread.pull_read import Read, ReadState
 from pdserve.transfer.thread.worker import NixlWorker
-from pdserve.transfer.wire import Message, PullRelease, PullReleaseAck, encode
+from pdserve.transfer.wire import Message, encode
+from pdserve.transfer.wire_notifs import PullRelease, PullReleaseAck
 
 log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 1.0  # a timed-out READ NIXL could not cancel is retried this often (blocks stay held)
-STALL_S = 0.05  # a confirmation timer this late means this thread did not run: read what arrived before judging
-
-
-class ReadState(enum.Enum):
-    """D: a pull's steps, in order (STAGING only with a host mirror)."""
-
-    HANDSHAKE = "handshake"  # waiting for P's handshake
-    POSTING = "posting"  # handshake done, READ not posted yet (only while a test delays it)
-    READING = "reading"  # READ posted
-    CONFIRMING = "confirming"  # READ done, PullRelease sent: waiting for P's PullReleaseAck (nothing more lands)
-    STAGING = "staging"  # confirmed, landed in the mirror; copy-in pending (nothing more lands)
-
-
-@dataclass
-class _Read:
-    """D: one request's pull (this rank's heads), from handshake to every READ done and every P rank's ack."""
-
-    task: RecvTask
-    remote: PullSource
-    state: ReadState = ReadState.HANDSHAKE
-    peers: dict[int, Peer] = field(default_factory=dict)  # P rank -> peer (every rank of P; rank 0 first)
-    xfers: dict[int, Xfer] = field(default_factory=dict)  # P rank -> the READ of this rank's heads it holds
-    unacked: set[int] = field(default_factory=set)  # P ranks whose PullReleaseAck is awaited
-    cancelled: bool = False  # aborted by the engine: report as cancelled when the READs are over
-    released: set[int] = field(default_factory=set)  # P ranks sent a PullRelease (each is told exactly once)
-    posted_at: float = 0.0
-    lease_end: float = 0.0  # time.monotonic() by which P has freed its pin by lease (its capability's expiry)
-    released_at: float = 0.0  # time.monotonic() the releases after the READ were sent (CONFIRMING)
-    confirm_at: float = 0.0  # the armed confirmation timer's due time (an older timer is stale)
-    late: bool = False  # the armed timer is the one extra turn given after a timer that fired late
-
-    @property
-    def peer(self) -> Peer | None:
-        """P's rank 0 (the address in the params)."""
-        return self.peers.get(0)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(x.num_bytes for x in self.xfers.values())
-
-    def ack_keys(self) -> list[tuple[str, str]]:
-        """(P rank's agent, P's request id): how each P rank's PullReleaseAck finds this read."""
-        return [(p.agent_name, self.remote.request_id) for p in self.peers.values()]
 
 
 class PullCore:
@@ -92,9 +44,9 @@ class PullCore:
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
         self.pins = PinKeeper(ctx)  # P
-        self.reads: dict[str, _Read] = {}  # D: request id -> pull in progress
-        self.confirming: dict[tuple[str, str], str] = {}  # D: _Read.ack_key -> request id
-        self.quiet_at: dict[str, float] = {}  # D: P rank's agent -> time.monotonic() its last READ here was over
+        self.reads: dict[str, Read] = {}  # D: request id -> pull in progress
+        self.confirming: dict[tuple[str, str], str] = {}  # D: Read.ack_keys -> request id
+        self.deadline = ConfirmDeadline(ctx, self.reads, self._end)  # D: when to stop waiting for acks
         ctx.peers.on_dead.append(self._peer_dead)
 
     def on_step(self, meta: StepMeta, now: float) -> None:
@@ -142,14 +94,14 @@ class PullCore:
         # this instance's lease_s from now (a deployment sets one --kv-lease-s; P pinned before D heard of it)
         cap = remote.capability
         lease_left = cap.expires_at - time.time() if cap is not None else self.ctx.cfg.lease_s
-        rd = _Read(task, remote, lease_end=now + lease_left)
+        rd = Read(task, remote, lease_end=now + lease_left)
         self.reads[rid] = rd
         self.ctx.thread.call_at(now + self.ctx.cfg.recv_timeout_s, lambda: self._timeout(rid, rd))
         self.ctx.peers.connect_ranks(  # load_me: P answers our PullRelease with a notification
             remote.host, remote.port, remote.engine_id, True, lambda p, e: self._on_peers(rid, rd, p, e)
         )
 
-    def _on_peers(self, rid: str, rd: _Read, peers: dict[int, Peer] | None, error: str | None) -> None:
+    def _on_peers(self, rid: str, rd: Read, peers: dict[int, Peer] | None, error: str | None) -> None:
         rd.peers = peers or {}
         if self.reads.get(rid) is not rd:  # cancelled or timed out meanwhile: just free P's blocks early
             self._release(rd, ok=False)
@@ -167,7 +119,7 @@ class PullCore:
         rd.state = ReadState.POSTING
         self.ctx.cfg.faults.defer(FaultPoint.READ, self.ctx.thread.call_at, lambda: self._post(rid, rd))
 
-    def _post(self, rid: str, rd: _Read) -> None:
+    def _post(self, rid: str, rd: Read) -> None:
         """One READ per P rank that holds heads of this rank (heads.py), all posted at once."""
         if self.reads.get(rid) is not rd:
             return
@@ -199,11 +151,11 @@ class PullCore:
         self.ctx.sink.event(rid, "transfer_posted", posted_wall)
         self._check(rid, rd)
 
-    def _abort_reads(self, rd: _Read) -> None:
+    def _abort_reads(self, rd: Read) -> None:
         for xfer in rd.xfers.values():  # best effort; _end frees the blocks only when nothing is in flight
             self.ctx.agent.abort(xfer)
 
-    def _check(self, rid: str, rd: _Read) -> None:
+    def _check(self, rid: str, rd: Read) -> None:
         faults = self.ctx.cfg.faults
         held_back = rid in faults.slow_reads and time.monotonic() < rd.posted_at + faults.slow_read_s
         for p_rank, xfer in rd.xfers.items():
@@ -223,17 +175,15 @@ class PullCore:
             self.ctx.sink.event(rid, "transfer_done")
             self._landed(rid, rd)
 
-    def _landed(self, rid: str, rd: _Read) -> None:
+    def _landed(self, rid: str, rd: Read) -> None:
         """Every READ is DONE: release every P rank's pin and wait for each to confirm it held throughout."""
-        rd.state = ReadState.CONFIRMING  # (before _reads_over: this read no longer holds P's answers back)
-        self._reads_over(rd)
+        rd.state = ReadState.CONFIRMING  # (before reads_over: this read no longer holds P's answers back)
+        self.deadline.reads_over(rd)
         if rd.cancelled:
             self._end(rid, rd, None)
             return
         for p_rank, peer in rd.peers.items():
-            xfer = rd.xfers.get(p_rank)
-            rel = PullRelease(rd.remote.request_id, True, xfer.num_bytes if xfer else 0, list(rd.remote.block_ids))
-            rd.released.add(p_rank)
+            rel = rd.release(p_rank, ok=True)
             try:
                 self.ctx.agent.send_notif(peer.agent_name, encode(rel))
             except AgentError as e:
@@ -246,7 +196,7 @@ class PullCore:
             rd.unacked.add(p_rank)
             self.confirming[(peer.agent_name, rd.remote.request_id)] = rid
         rd.released_at = time.monotonic()
-        self._arm(rid, rd, self._confirm_due(rd)[0])
+        self.deadline.start(rid, rd)
 
     def _on_ack(self, sender: str, msg: PullReleaseAck) -> None:
         rid = self.confirming.pop((sender, msg.request_id), None)
@@ -269,57 +219,6 @@ class PullCore:
             land(self.ctx, rd.task, rd.peers[0].info.block_size, lambda: self.reads.get(rid) is rd,
                  lambda error: self._end(rid, rd, error))  # fmt: skip
 
-    # ---- D: the confirmation deadline (module docstring) -------------------------------------------------------
-    def _confirm_due(self, rd: _Read) -> tuple[float, bool]:
-        """(when D stops waiting for rd's acks, whether P's lease cut the wait short): peer_timeout_s after the
-        release, or after the last READ from an unacked P rank in flight here was over if that is later (none
-        while one is in flight), but never past P's lease, unless that is before the plain deadline."""
-        t = self.ctx.cfg.peer_timeout_s
-        agents = {rd.peers[r].agent_name for r in rd.unacked}
-        quiet = max((self.quiet_at.get(a, 0.0) for a in agents), default=0.0)
-        wanted = math.inf if self._reading_from(agents) else max(rd.released_at, quiet) + t
-        due = max(rd.released_at + t, min(wanted, rd.lease_end))
-        return due, due < wanted
-
-    def _reading_from(self, agents: set[str]) -> bool:
-        """A READ from one of these P agents is in flight on this D (any request)."""
-        return any(
-            rd.state is ReadState.READING and any(x.peer in agents for x in rd.xfers.values())
-            for rd in self.reads.values()
-        )
-
-    def _reads_over(self, rd: _Read) -> None:
-        """rd's READs no longer hold P's answers back: restart the deadline of reads waiting behind them."""
-        now, agents = time.monotonic(), {x.peer for x in rd.xfers.values()}
-        for agent in agents:
-            self.quiet_at[agent] = now
-        for rid, other in self.reads.items():
-            if other.state is ReadState.CONFIRMING and other is not rd:
-                due, _ = self._confirm_due(other)
-                if due < other.confirm_at:
-                    self._arm(rid, other, due)
-
-    def _arm(self, rid: str, rd: _Read, at: float) -> None:
-        rd.confirm_at = at
-        self.ctx.thread.call_at(at, lambda: self._confirm_timeout(rid, rd, at))
-
-    def _confirm_timeout(self, rid: str, rd: _Read, at: float) -> None:
-        if self.reads.get(rid) is not rd or rd.state is not ReadState.CONFIRMING or at != rd.confirm_at:
-            return  # over, or a later deadline was armed
-        now, (due, cut) = time.monotonic(), self._confirm_due(rd)
-        # this thread did not run for a while (starved): judge after one turn of reading what came meanwhile
-        late = due <= now and now - at > STALL_S and not rd.late
-        if due > now or late:  # (or a READ from P went on past the deadline this timer was armed for)
-            rd.late = late
-            self._arm(rid, rd, max(due, now + STALL_S))
-            return
-        t, waited = self.ctx.cfg.peer_timeout_s, now - rd.released_at
-        if cut:
-            why = f"before its lease ran out ({waited:.1f} s after the release, READs from it in flight meanwhile)"
-        else:
-            why = f"within {t:g} s of the release (and of its last READ in flight here)"
-        self._end(rid, rd, f"the prefill instance did not confirm its pin {why}; the READ is unused")
-
     def _peer_dead(self, peer: Peer) -> None:
         """Liveness: a P rank is gone (or restarted); nothing more lands from it, nothing will confirm."""
         for rid, rd in list(self.reads.items()):
@@ -328,9 +227,9 @@ class PullCore:
                 continue
             dead = {r for r, p in rd.peers.items() if p.agent_name == peer.agent_name}
             self._end_aborted(rid, rd, dead, f"prefill instance {peer.engine_id} (rank {peer.info.tp_rank}) is gone")
-        self.quiet_at.pop(peer.agent_name, None)
+        self.deadline.forget(peer.agent_name)
 
-    def _end_aborted(self, rid: str, rd: _Read, dead: set[int], error: str) -> None:
+    def _end_aborted(self, rid: str, rd: Read, dead: set[int], error: str) -> None:
         """End the read once none of its READs may still land: those from the dead P ranks cannot (their process
         is gone; aborted best effort); one from a live P rank that NIXL cannot cancel keeps the blocks held."""
         if self.reads.get(rid) is not rd:
@@ -342,11 +241,11 @@ class PullCore:
                 return
         self._end(rid, rd, error)
 
-    def _end(self, rid: str, rd: _Read, error: str | None) -> None:
+    def _end(self, rid: str, rd: Read, error: str | None) -> None:
         """The recv is over and its blocks are safe: report it once, then free P's blocks on every rank."""
         del self.reads[rid]
         if rd.state is ReadState.READING:  # its READs are over (DONE, failed or cancelled)
-            self._reads_over(rd)
+            self.deadline.reads_over(rd)
         for key in rd.ack_keys():
             self.confirming.pop(key, None)
         nbytes = rd.num_bytes if error is None else 0
@@ -361,15 +260,12 @@ class PullCore:
             self.ctx.sink.recv_failed(rid, error)
         self._release(rd, ok=error is None and not rd.cancelled)
 
-    def _release(self, rd: _Read, ok: bool) -> None:
+    def _release(self, rd: Read, ok: bool) -> None:
         """Tell every P rank not told yet that this rank is done with the pin (its lease frees it otherwise)."""
         for p_rank, peer in rd.peers.items():
             if p_rank in rd.released or self.ctx.peers.by_agent(peer.agent_name) is None:
                 continue
-            rd.released.add(p_rank)
-            xfer = rd.xfers.get(p_rank)
-            nbytes = xfer.num_bytes if ok and xfer is not None else 0
-            rel = PullRelease(rd.remote.request_id, ok, nbytes, list(rd.remote.block_ids))
+            rel = rd.release(p_rank, ok)
             try:
                 self.ctx.agent.send_notif(peer.agent_name, encode(rel))
             except AgentError as e:
@@ -377,7 +273,7 @@ class PullCore:
                 if isinstance(e, PeerGone):
                     self.ctx.peers.forget(peer)
 
-    def _timeout(self, rid: str, rd: _Read) -> None:
+    def _timeout(self, rid: str, rd: Read) -> None:
         if self.reads.get(rid) is not rd or rd.state in (ReadState.STAGING, ReadState.CONFIRMING):
             return  # the READ is over (CONFIRMING has its own deadline)
         timeout = self.ctx.cfg.recv_timeout_s

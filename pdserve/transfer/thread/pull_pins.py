@@ -18,7 +18,8 @@ from pdserve.transfer.base import SendTask
 from pdserve.transfer.thread.agent import AgentError
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.results import SendOutcome
-from pdserve.transfer.wire import PullRelease, PullReleaseAck, encode
+from pdserve.transfer.wire import encode
+from pdserve.transfer.wire_notifs import PullRelease, PullReleaseAck
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.push_recv import RecvSide
 from pdserve.transfer.thread.push_send import SendSide
 from pdserve.transfer.thread.worker import NixlWorker
-from pdserve.transfer.wire import Message, PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister
+from pdserve.transfer.wire import Message
+from pdserve.transfer.wire_notifs import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister
 
 log = logging.getLogger(__name__)
 

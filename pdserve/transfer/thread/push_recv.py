@@ -36,7 +36,8 @@ from pdserve.transfer.thread.agent import AgentError, PeerGone
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
-from pdserve.transfer.wire import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister, encode
+from pdserve.transfer.wire import encode
+from pdserve.transfer.wire_notifs import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister
 
 log = logging.getLogger(__name__)
 

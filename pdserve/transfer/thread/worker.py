@@ -36,10 +36,9 @@ from pdserve.transfer.wire import (
     Ping,
     Pong,
     WireError,
-    compat_hash,
     decode,
-    incompatibility,
 )
+from pdserve.transfer.wire_compat import compat_hash, incompatibility
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,115 @@
+"""Push, prefill side: one D rank's WRITE, from its registration to DONE or ERR, and P's notifications to D.
+
+post_write checks a registration against D's handshake and the prefill, builds the descriptors of the heads
+that D rank takes from this P rank (heads.py), stages them out when there is a host mirror, and posts one
+WRITE carrying a PushDone; check_write polls it. Both only say how the WRITE ended (WriteOver, or None while it
+is in flight): what that means for the transfer (refusals, freeing P's blocks) is push_send.SendSide's to
+decide. Kept apart so the byte-moving half can be read, and changed, without the rendezvous' bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pdserve.transfer.base import SendTask
+from pdserve.transfer.heads import num_producers
+from pdserve.transfer.layout import LayoutError, descriptors, group_ranges, group_segments, pad_last_blocks
+from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
+from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.push_rendezvous import DestPart
+from pdserve.transfer.wire import Message, encode
+from pdserve.transfer.wire_notifs import PushDone, PushRegister
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriteOver:
+    """How one D rank's WRITE ended: nothing more can land in that rank's blocks."""
+
+    ok: bool  # written (or nothing to write: zero tokens, or this P rank holds none of its heads)
+    error: str | None  # why not, when not ok
+
+
+def post_write(ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPart, d_rank: int) -> WriteOver | None:
+    """Post the WRITE of x.write_reg (D rank d_rank's registration being written) from send's blocks, setting
+    x.xfer, x.posted_at and x.silent; None while the WRITE is in flight (check_write polls it)."""
+    reg = x.write_reg
+    assert reg is not None
+    msg, peer = reg.msg, reg.peer
+    try:
+        if msg.block_size != peer.info.block_size:
+            raise LayoutError(f"registration says block size {msg.block_size}, handshake said {peer.info.block_size}")
+        if msg.start_token + msg.num_tokens > send.num_tokens:
+            raise LayoutError(
+                f"the prefill has KV for {send.num_tokens} tokens, D asked up to {msg.start_token + msg.num_tokens}"
+            )
+        segs = group_segments(
+            ctx.layout, send.tables, peer.layout, msg.block_tables or [msg.block_ids], ctx.spec.windows,
+            msg.start_token, msg.num_tokens,
+        )  # fmt: skip
+        segs = pad_last_blocks(ctx.layout, peer.layout, segs)  # D's fresh blocks: safe (its docstring)
+        heads = ctx.heads_to(peer.info)  # this rank's slice of D's rank's heads (heads.py)
+        if heads is not None:
+            local, remote = descriptors(ctx.layout, peer.layout, segs, heads)
+    except LayoutError as e:
+        return WriteOver(False, f"cannot write: {e}")
+    if heads is None:  # D's rank gets its heads from other ranks of P: this rank's part is over, unannounced
+        x.silent = True
+        return WriteOver(True, None)
+    nbytes = int(local[:, 1].sum()) if len(local) else 0
+    n_prod = num_producers(ctx.spec.model_kv_heads, ctx.spec.tp_size, peer.info.tp_size, d_rank)
+    done = encode(PushDone(transfer_id, msg.attempt, ctx.spec.tp_rank, n_prod, nbytes))
+    x.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the WRITE
+    try:
+        if msg.num_tokens == 0:
+            ctx.agent.send_notif(peer.agent_name, done)
+        else:
+            if ctx.stager is not None:  # KV cache -> host mirror, exactly the blocks this WRITE reads
+                for table, (first, end) in zip(send.tables, _ranges(ctx, msg, peer.layout.block_size), strict=True):
+                    ctx.stager.stage_out(table, first, end - first)
+            x.xfer = ctx.post("WRITE", local, remote, peer.agent_name, done, peer.info.memory)
+    except (AgentError, RuntimeError) as e:
+        if isinstance(e, PeerGone):
+            ctx.peers.forget(peer)
+        return WriteOver(False, f"WRITE to {peer.engine_id} rank {d_rank} not posted: {e}")
+    ctx.sink.event(send.request_id, "transfer_posted", posted_wall)
+    if x.xfer is not None:
+        ctx.sink.posted(x.xfer.num_descs, x.xfer.post_seconds)
+    return check_write(ctx, x, d_rank)
+
+
+def check_write(ctx: TransferContext, x: DestPart, d_rank: int) -> WriteOver | None:
+    """Poll D rank d_rank's WRITE (x.xfer); None while it is in flight."""
+    if x.xfer is None:  # zero tokens: the notification was the whole transfer
+        return WriteOver(True, None)
+    assert x.write_reg is not None
+    peer = x.write_reg.peer
+    try:
+        state = ctx.agent.check(x.xfer)
+    except PeerGone as e:
+        ctx.peers.forget(peer)
+        return WriteOver(False, f"decode instance {peer.engine_id} rank {d_rank} went away: {e}")
+    if state is XferState.DONE:
+        return WriteOver(True, None)
+    if state is XferState.ERR:
+        return WriteOver(False, f"WRITE to {peer.engine_id} rank {d_rank} failed")
+    return None
+
+
+def _ranges(ctx: TransferContext, msg: PushRegister, remote_block_size: int) -> list[tuple[int, int]]:
+    """Per KV group, the tokens this WRITE reads (layout.group_ranges)."""
+    bs = (ctx.layout.block_size, remote_block_size)
+    return group_ranges(ctx.spec.windows, msg.start_token, msg.num_tokens, *bs)
+
+
+def notify(ctx: TransferContext, agent_name: str, msg: Message) -> None:
+    """Send one notification to a D rank's agent, unless that peer is forgotten (dead); never raises."""
+    if ctx.peers.by_agent(agent_name) is None:
+        return  # forgotten (dead): nothing to tell
+    try:
+        ctx.agent.send_notif(agent_name, encode(msg))
+    except AgentError as e:
+        log.warning("push: could not send %s to %s: %s", type(msg).__name__, agent_name, e)
