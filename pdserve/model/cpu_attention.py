@@ -9,7 +9,8 @@ The kernel is plain C with OpenMP, built with the system C compiler on first use
 install`: `python -m pdserve.model.cpu_attention`) into ~/.cache/pdserve/kernels/ (XDG_CACHE_HOME respected),
 one file per sources, flags and CPU, and loaded through ctypes: no torch headers, no ninja. It links the
 libgomp torch already loaded, so it shares torch's OpenMP threads (torch.get_num_threads()).
-The same library holds a decoder layer's fused small ops (csrc/layer_ops.c, called through cpu_layer_ops.py).
+The same library holds a decoder layer's fused small ops (csrc/layer_ops.c, called through cpu_layer_ops.py)
+and the decode step's small-batch linears (csrc/small_gemm.c, called through cpu_linear.py).
 
 When there is no compiler, the build fails or the inputs do not fit (not float32, not on the CPU),
 `decode_kernel()` returns None and attention.py takes the portable gather-and-matmul path; both give the same
@@ -33,8 +34,10 @@ import torch
 
 from pdserve.model.paged import DecodeBatch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "layer_ops.c"))  # one library
-ABI = 3  # pdserve_paged_decode_abi() of the sources this module (and cpu_layer_ops.py) calls
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "layer_ops.c", "small_gemm.c")
+)  # one library
+ABI = 4  # pdserve_paged_decode_abi() of the sources this module (cpu_layer_ops.py, cpu_linear.py) calls
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
 
@@ -104,6 +107,10 @@ def load(path: Path) -> ctypes.CDLL | None:
     act = lib.pdserve_act_and_mul_f32
     act.argtypes = [_f32p, _i64, _i64, ctypes.c_int32, _f32p]
     act.restype = None
+    gemm = lib.pdserve_linear_panels_f32  # csrc/small_gemm.c, called by cpu_linear.py
+    gemm.argtypes = [_f32p, _i64, _i64, _i64, _f32p, _i64, _f32p, _f32p, _i64]
+    gemm.restype = None
+    lib.pdserve_linear_panel_width.restype = _i64
     return lib
 
 

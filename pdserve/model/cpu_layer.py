@@ -1,5 +1,6 @@
 """The CPU float32 path of a decoder layer: forward()'s math with its small ops fused into single C/OpenMP passes
-(cpu_layer_ops.py) and decode rows reading the paged cache in place (cpu_attention.py).
+(cpu_layer_ops.py), decode rows reading the paged cache in place (cpu_attention.py) and few-row linears from
+packed weights (cpu_linear.py).
 
 It mirrors DecoderLayer.forward_fused with the C kernels in place of the Triton ones. It lives apart so that the
 CUDA path stays as it was measured and the layer's module stays the model's definition; the decoder calls
@@ -11,11 +12,17 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from torch import nn
 
 from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.attention import paged_attention
+from pdserve.model.cpu_linear import PanelLinears
 from pdserve.model.decoder_layer import DecoderLayer
 from pdserve.model.paged import AttentionContext
+
+
+def _linear(panels: PanelLinears | None, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return module(x) if panels is None else panels.linear(module, x, module.weight, module.bias)
 
 
 def forward_cpu(
@@ -27,12 +34,13 @@ def forward_cpu(
     sin: torch.Tensor,
     layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
     ctx: AttentionContext,
+    panels: PanelLinears | None = None,  # packed weights for few-row steps (cpu_linear.py); None: F.linear
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU float32 path of layer.forward(), its small ops fused (cpu_layer_ops.py): returns (this layer's MLP
     output, residual stream), whose sum is forward()'s."""
     t = x.shape[0]
     h, residual = cpu_ops.add_rmsnorm(lib, x, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
-    qkv = layer.qkv_proj(h)  # [T, q_size + 2 * kv_size]; q and k are rotated in place below
+    qkv = _linear(panels, layer.qkv_proj, h)  # [T, q_size + 2 * kv_size]; q and k are rotated in place below
     cpu_ops.qkv_rope_store(
         lib,
         qkv,
@@ -50,7 +58,7 @@ def forward_cpu(
     k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(t, layer.num_kv_heads, layer.head_dim)
     v = qkv[:, layer.q_size + layer.kv_size :].view(t, layer.num_kv_heads, layer.head_dim)
     attn = paged_attention(q, layer_cache, ctx, layer.scale, k, v, layer.window)  # [T, num_heads, head_dim]
-    x = layer.reduce(layer.o_proj(attn.reshape(t, layer.q_size)))
+    x = layer.reduce(_linear(panels, layer.o_proj, attn.reshape(t, layer.q_size)))
     post, pre_ff, post_ff = (
         layer.post_attention_layernorm,
         layer.pre_feedforward_layernorm,
@@ -58,9 +66,13 @@ def forward_cpu(
     )
     if pre_ff is None or post_ff is None:
         h, residual = cpu_ops.add_rmsnorm(lib, x, residual, post.weight, post.eps)
-        return layer.reduce(layer.down_proj(cpu_ops.act_and_mul(lib, layer.gate_up_proj(h)))), residual
+        return layer.reduce(
+            _linear(panels, layer.down_proj, cpu_ops.act_and_mul(lib, _linear(panels, layer.gate_up_proj, h)))
+        ), residual
     # gemma's sandwich: norm the attention output, add, norm into the MLP; its output leaves normed
     normed = cpu_ops.add_rmsnorm(lib, x, None, post.weight, post.eps)[0]
     h, residual = cpu_ops.add_rmsnorm(lib, normed, residual, pre_ff.weight, pre_ff.eps)
-    mlp = layer.reduce(layer.down_proj(cpu_ops.act_and_mul(lib, layer.gate_up_proj(h), layer.gelu)))
+    mlp = layer.reduce(
+        _linear(panels, layer.down_proj, cpu_ops.act_and_mul(lib, _linear(panels, layer.gate_up_proj, h), layer.gelu))
+    )
     return cpu_ops.add_rmsnorm(lib, mlp, None, post_ff.weight, post_ff.eps)[0], residual

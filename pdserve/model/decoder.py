@@ -40,6 +40,7 @@ from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable
 from pdserve.model.cpu_layer import forward_cpu
+from pdserve.model.cpu_linear import PACK_MAX_BYTES, PanelLinears, linear_bytes
 from pdserve.model.decoder_layer import DecoderLayer, RMSNorm
 from pdserve.model.kv_groups import KVGroups
 from pdserve.model.paged import AttentionContext, layer_view
@@ -77,6 +78,8 @@ class Decoder(nn.Module):
         self.use_cpu_kernel = True  # on the CPU: decode attention through cpu_attention's C kernel
         self.use_cpu_layer_ops = True  # on the CPU: cpu_layer.forward_cpu's fused small ops (needs use_cpu_kernel too;
         # False keeps the attention kernel and takes the portable small ops: benchmarks compare the two)
+        self.cpu_linears: PanelLinears | None = None  # on the CPU: packed weights for few-row linears (cpu_linear.py;
+        # pack_cpu_linears builds it after loading; None = F.linear throughout)
         # fused path: cos/sin per position (global rotary, gemma's local rotary), built on first use
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gemv_max_rows = 0  # fused path: steps of at most this many rows use the Triton GEMV (set by
@@ -126,7 +129,7 @@ class Decoder(nn.Module):
             residual: torch.Tensor | None = None
             for layer, (cache, layer_ctx) in zip(self.decoder_layers, caches, strict=True):
                 c, s = local if layer.local_rope and local is not None else (cos, sin)
-                x, residual = forward_cpu(layer, lib, x, residual, c, s, cache, layer_ctx)
+                x, residual = forward_cpu(layer, lib, x, residual, c, s, cache, layer_ctx, self.cpu_linears)
             return cpu_ops.add_rmsnorm(lib, x, residual, self.norm.weight, self.norm.eps)[0]
         for layer, (cache, layer_ctx) in zip(self.decoder_layers, caches, strict=True):
             c, s = local if layer.local_rope and local is not None else (cos, sin)
@@ -180,7 +183,10 @@ class Decoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (with TP: gathered from every rank's vocabulary slice)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        if self.cpu_linears is not None and hidden.device.type == "cpu" and hidden.dtype == torch.float32:
+            logits = self.cpu_linears.linear("lm_head", hidden, weight)
+        else:
+            logits = F.linear(hidden, weight).float()
         if self.comm is not None:
             logits = self.comm.all_gather_last(logits)[:, : self.shard.vocab_size]
         cap = self.arch.final_logit_softcapping
@@ -197,3 +203,22 @@ def use_column_major_linears(decoder: Decoder) -> None:
     for layer in decoder.decoder_layers:
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             linear.weight = nn.Parameter(linear.weight.t().contiguous().t(), requires_grad=False)
+
+
+@torch.no_grad()
+def pack_cpu_linears(decoder: Decoder) -> None:
+    """Give a float32 CPU decoder packed copies of its layers' linear weights and of its LM head, for decode steps
+    of a few rows (cpu_linear.py says why and what it measured); nothing when the kernel library is not built or
+    the weights are too large to duplicate (cpu_linear.PACK_MAX_BYTES)."""
+    lib = cpu_attention.decode_kernel()
+    head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight
+    if lib is None or head.dtype != torch.float32 or head.device.type != "cpu":
+        return
+    if linear_bytes(decoder) + head.numel() * head.element_size() > PACK_MAX_BYTES:
+        return
+    panels = PanelLinears(lib)
+    for layer in decoder.decoder_layers:
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            panels.add(linear, linear.weight)
+    panels.add("lm_head", head)
+    decoder.cpu_linears = panels

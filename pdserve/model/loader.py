@@ -27,7 +27,7 @@ from pdserve.config import ConfigError, ModelConfig
 from pdserve.model.arch import ModelArch
 from pdserve.model.builtin import builtin_gguf_path, builtin_names, is_builtin
 from pdserve.model.checkpoint import SafetensorsWeights, load_checkpoint
-from pdserve.model.decoder import Decoder, use_column_major_linears
+from pdserve.model.decoder import Decoder, pack_cpu_linears, use_column_major_linears
 from pdserve.model.decoder_layer import RMSNorm
 from pdserve.model.parallel import Collectives, TPShard, shard_for, shard_param
 from pdserve.model.presets import get_preset, is_preset, preset_names
@@ -77,6 +77,7 @@ def load_model(
     decoder.eval().requires_grad_(False)
     if device_.type == "cpu":
         use_column_major_linears(decoder)
+        pack_cpu_linears(decoder)
     return LoadedModel(name, arch, decoder, tokenizer, _max_model_len(cfg, arch))
 
 

@@ -18,8 +18,9 @@
 
 #define PARALLEL_MIN (1 << 18) /* elements of K read per step: batch 1 at 512 tokens x 3 heads x 64 reads 2^16.6 */
 
-/* bump with any change to the signatures below or in layer_ops.c (2: + prefill; 3: + layer_ops.c) */
-int pdserve_paged_decode_abi(void) { return 3; }
+/* bump with any change to the signatures below, in layer_ops.c or small_gemm.c (2: + prefill; 3: + layer_ops.c;
+ * 4: + small_gemm.c) */
+int pdserve_paged_decode_abi(void) { return 4; }
 
 void pdserve_paged_decode_f32(const float *q,          /* [B, num_heads, head_dim] contiguous */
                               const float *k, const float *v, /* cache bases (layer views) */
