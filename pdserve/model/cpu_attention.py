@@ -37,6 +37,7 @@ from pdserve.model.paged import DecodeBatch
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "layer_ops.c", "small_gemm.c")
 )  # one library
+HEADERS = (Path(__file__).parent / "csrc" / "fast_exp.h",)  # included by the sources: part of the library's key
 ABI = 4  # pdserve_paged_decode_abi() of the sources this module (cpu_layer_ops.py, cpu_linear.py) calls
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
@@ -55,7 +56,7 @@ def _cpu_signature() -> str:
 def library_path(cache_dir: Path | None = None) -> Path:
     """Where the built kernel for this source, these flags and this CPU lives."""
     root = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "kernels"
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_signature().encode())
     return root / f"paged_decode-{key.hexdigest()[:16]}.so"
 

@@ -15,34 +15,7 @@
 
 #define PARALLEL_MIN_ELEMS (1 << 15)
 
-/* exp(x) in plain float arithmetic the compiler vectorizes (glibc's expf is scalar without -ffast-math, and a
- * 512-token prefill's SiLU takes 786k of them per layer): 2^n * e^r with |r| <= ln2 / 2, e^r a degree-6
- * polynomial (Cephes expf's coefficients), ~1 ulp. Above ln(FLT_MAX): +inf; below -86.5: 0 (the true value is
- * under 2.7e-38, and every caller adds it to 1). n is rounded with the 1.5 * 2^23 trick: floorf does not
- * vectorize without -ffast-math, and this file's float results must not depend on fast-math. */
-static inline float fast_expf(float x) {
-    const float hi = 88.72283905206835f, lo = -86.5f;
-    const int over = x > hi, under = x < lo;
-    x = x > hi ? hi : (x < lo ? lo : x);
-    const float magic = 12582912.0f;                           /* 1.5 * 2^23: adding it rounds to an integer */
-    const float n = (x * 1.44269504088896341f + magic) - magic; /* round(x / ln2), in [-125, 128] */
-    float r = x - n * 0.693359375f; /* ln2 split in two: n * 0.693359375 is exact */
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } scale;
-    scale.i = ((int32_t)n + 126) << 23; /* 2^(n - 1), a normal float for n in [-125, 128] */
-    const float y = p * scale.f * 2.0f;
-    return over ? INFINITY : (under ? 0.0f : y);
-}
+#include "fast_exp.h"
 
 /* One row of RMSNorm: out[j] = weight[j] * (x[j] * rsqrt(mean(x^2) + eps)), as RMSNorm.forward rounds it. */
 static inline void rmsnorm_row(const float *x, const float *weight, float eps, int64_t n, float *out) {

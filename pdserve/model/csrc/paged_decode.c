@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 #define PARALLEL_MIN (1 << 18) /* elements of K read per step: batch 1 at 512 tokens x 3 heads x 64 reads 2^16.6 */
 
 /* bump with any change to the signatures below, in layer_ops.c or small_gemm.c (2: + prefill; 3: + layer_ops.c;
@@ -58,31 +60,45 @@ void pdserve_paged_decode_f32(const float *q,          /* [B, num_heads, head_di
                 const int64_t r1 = len - start < block_size ? len - start : block_size;
                 const int64_t off = table[start / block_size] * block_stride + kh * head_stride;
                 const float *kb = k + off, *vb = v + off;
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qb + g * head_dim;
-                    float *sg = scores + g * block_size;
-                    float m = mx[g];
-                    for (int64_t r = r0; r < r1; r++) {
-                        const float *kr = kb + r * row_stride;
+                /* scores of every query head of this KV head: each K row read once for the group */
+                for (int64_t r = r0; r < r1; r++) {
+                    const float *kr = kb + r * row_stride;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *qg = qb + g * head_dim;
                         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                         for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * kr[d];
-                        sg[r] = dot * scale;
-                        if (sg[r] > m) m = sg[r];
+                        scores[g * block_size + r] = dot * scale;
                     }
-                    const float corr = expf(mx[g] - m); /* 0 on the first block (mx = -inf) */
-                    float *ag = acc + g * head_dim;
-                    float s = sum[g] * corr;
-                    for (int64_t d = 0; d < head_dim; d++) ag[d] *= corr;
+                }
+                /* online softmax per head: new max, rescale, the block's weights (exp vectorized over rows) */
+                for (int64_t g = 0; g < group; g++) {
+                    float *sg = scores + g * block_size;
+                    float m = mx[g];
+#pragma omp simd reduction(max : m)
+                    for (int64_t r = r0; r < r1; r++) m = sg[r] > m ? sg[r] : m;
+                    const float corr = fast_expf(mx[g] - m); /* 0 on the first block (mx = -inf) */
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
                     for (int64_t r = r0; r < r1; r++) {
-                        const float p = expf(sg[r] - m);
-                        const float *vr = vb + r * row_stride;
-                        s += p;
+                        sg[r] = fast_expf(sg[r] - m);
+                        s += sg[r];
+                    }
+                    float *ag = acc + g * head_dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) ag[d] *= corr;
+                    sum[g] = sum[g] * corr + s;
+                    mx[g] = m;
+                }
+                /* P.V: each V row read once for the group */
+                for (int64_t r = r0; r < r1; r++) {
+                    const float *vr = vb + r * row_stride;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = scores[g * block_size + r];
+                        float *ag = acc + g * head_dim;
 #pragma omp simd
                         for (int64_t d = 0; d < head_dim; d++) ag[d] += p * vr[d];
                     }
-                    mx[g] = m;
-                    sum[g] = s;
                 }
             }
             float *ob = out + (b * num_heads + kh * group) * head_dim;
