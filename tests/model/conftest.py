@@ -5,10 +5,13 @@ Set per module and restored after it, so tests outside tests/model keep the defa
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+from pdserve.model import cpu_attention
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -17,3 +20,11 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    """The CPU kernel library (tests that take it are skipped where there is no C compiler)."""
+    built = cpu_attention.decode_kernel()
+    assert built is not None
+    return built

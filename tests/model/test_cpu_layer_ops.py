@@ -14,20 +14,12 @@ import torch.nn.functional as F
 from test_generate import _llm, _prompts
 
 from pdserve import SamplingParams
-from pdserve.model import cpu_attention
 from pdserve.model import cpu_layer_ops as ops
 from pdserve.model.decoder_layer import RMSNorm
 from pdserve.model.paged import layer_view, write_kv
 from pdserve.model.rotary import apply_rope
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
-
-
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    built = cpu_attention.decode_kernel()
-    assert built is not None
-    return built
 
 
 @pytest.mark.parametrize("rows, n", [(1, 5), (7, 37), (33, 576), (130, 257)])

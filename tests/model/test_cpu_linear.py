@@ -14,17 +14,9 @@ import torch.nn.functional as F
 from test_generate import _llm, _prompts
 
 from pdserve import SamplingParams
-from pdserve.model import cpu_attention
 from pdserve.model.cpu_linear import MAX_ROWS, MIN_ROWS, PanelLinears, pack
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
-
-
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    built = cpu_attention.decode_kernel()
-    assert built is not None
-    return built
 
 
 def test_pack_layout() -> None:
