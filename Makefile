@@ -38,7 +38,7 @@ interop: install
 	$(BIN)/python scripts/interop_vllm.py --peer-dir $(PEER_DIR)
 
 lint: install
-	$(BIN)/ruff check pdserve tests && $(BIN)/ruff format --check pdserve tests && $(BIN)/mypy
+	$(BIN)/ruff check pdserve tests scripts && $(BIN)/ruff format --check pdserve tests scripts && $(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

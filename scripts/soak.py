@@ -184,8 +184,9 @@ def main() -> None:
         lp, ld = r["leaked_blocks"]["prefill"], r["leaked_blocks"]["decode"]
         rp = f"{r['rss_mib_start']['prefill']}->{r['rss_mib_end']['prefill']}"
         rd = f"{r['rss_mib_start']['decode']}->{r['rss_mib_end']['decode']}"
+        lease = f"{lp}/{ld}"
         print(f"{r['mode']:5} {r['concurrency']:4d} {r['requests']:5d} {r['ok']:5d} {r['wrong']:5d} "
-              f"{r['aborted']:5d} {r['busy_503']:5d} {r['other_errors']:5d} {f'{lp}/{ld}':>10} {rp:>21} {rd:>17}")  # fmt: skip
+              f"{r['aborted']:5d} {r['busy_503']:5d} {r['other_errors']:5d} {lease:>10} {rp:>21} {rd:>17}")  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "date": time.strftime("%Y-%m-%d"), "rows": rows,

@@ -81,7 +81,8 @@ def compare(args: argparse.Namespace) -> None:
     for x, y in zip(a, b, strict=True):
         if x["token_ids"] is not None and y["token_ids"] is not None:
             same, kind = x["token_ids"] == y["token_ids"], "ids"
-            first = next((i for i, (s, t) in enumerate(zip(x["token_ids"], y["token_ids"])) if s != t), None)
+            pairs = zip(x["token_ids"], y["token_ids"], strict=False)  # lengths may differ: the first mismatch
+            first = next((i for i, (s, t) in enumerate(pairs) if s != t), None)
         else:
             same, kind, first = x["text"] == y["text"], "text", None
         match += same
