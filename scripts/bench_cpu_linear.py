@@ -28,17 +28,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from pdserve.model import cpu_attention
-    from pdserve.model.cpu_linear import PanelLinears
+    from pdserve.model.cpu_linear import pack
 
     lib = cpu_attention.decode_kernel()
     if lib is None:
         raise SystemExit("the CPU kernel library could not be built (no C compiler?)")
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=gen).t().contiguous().t() for n, k in SHAPES] for _ in range(LAYERS)]
-    panels = PanelLinears(lib)
-    for layer in weights:
-        for w in layer:
-            panels.add(w, w)  # keyed by the tensor itself here (the engine keys by module)
+    width = int(lib.pdserve_linear_panel_width())
+    packed_weights = [[pack(w, width) for w in layer] for layer in weights]
     nbytes = sum(w.numel() * 4 for layer in weights for w in layer)
 
     def timed(fn) -> float:
@@ -62,13 +60,12 @@ def main() -> None:
                     F.linear(xs[w.shape[1]], w)
 
         def packed(xs: dict[int, torch.Tensor] = xs, m: int = m) -> None:
-            for layer in weights:
-                for w in layer:
-                    entry = panels.panels[w]
-                    x = xs[w.shape[1]]
-                    y = torch.empty(m, entry[1])
-                    lib.pdserve_linear_panels_f32(x.data_ptr(), m, x.shape[1], x.stride(0), entry[0].data_ptr(),
-                                                  entry[1], None, y.data_ptr(), entry[1])  # fmt: skip
+            for layer, packed_layer in zip(weights, packed_weights, strict=True):
+                for w, wp in zip(layer, packed_layer, strict=True):
+                    n, k = w.shape
+                    x, y = xs[k], torch.empty(m, n)
+                    args = (x.data_ptr(), m, k, x.stride(0), wp.data_ptr(), n, None, y.data_ptr(), n)
+                    lib.pdserve_linear_panels_f32(*args)
 
         a, b = timed(plain), timed(packed)
         rows_out.append({"rows": m, "f_linear_ms": a, "panels_ms": b})
