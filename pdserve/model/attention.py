@@ -49,9 +49,9 @@ def paged_attention(
     On CUDA with k and v given (and Triton present), every layer, windowed or not, dispatches to
     cuda_attention.paged_attention_cuda (the same function: tiled flash prefill, a Triton decode kernel that
     starts at the window). On the CPU (float32, C compiler present) decode rows, windowed or not, take
-    cpu_attention's in-place decode kernel; a prefill span with cached context gathers it and takes torch's
-    fused SDPA (cpu_attention.paged_prefill reads it in place and gives the same output, but measured slower:
-    see its module docstring); everything else takes the portable torch code below.
+    cpu_attention's in-place decode kernel, and prefill spans (whole prompts, later chunks, prefix hits) its
+    in-place prefill kernel when head_dim is a multiple of its panel width (csrc/paged_prefill.c: 1.4-1.6x
+    faster than torch's fused SDPA on a 512-token prompt); everything else takes the portable torch code below.
     """
     if k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
         from pdserve.model.cuda_attention import paged_attention_cuda
@@ -63,8 +63,18 @@ def paged_attention(
     group = num_heads // num_kv_heads
     k_cache, v_cache = layer_cache[0], layer_cache[1]
     bs = ctx.block_size
+    lib = cpu_attention.decode_kernel() if cpu_kernel and cpu_attention.fits(q, k_cache, v_cache) else None
+    prefill_lib = lib if lib is not None and cpu_attention.prefill_fits(q) else None
     for span in ctx.prefills:
         rows = slice(span.query_start, span.query_start + span.num_query)
+        if prefill_lib is not None:
+            o = cpu_attention.paged_prefill(
+                prefill_lib, q[rows], k_cache, v_cache, span.block_table, span.context_len, scale, window
+            )
+            if span.num_query == q.shape[0]:
+                return o
+            out[rows] = o
+            continue
         offset = span.context_len - span.num_query  # tokens cached before this chunk
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, nq, d]: 4-D takes torch's fused CPU kernel (~4x)
         # first key position any query of this span sees; windowed: gather from its block on
@@ -95,7 +105,6 @@ def paged_attention(
     if d is None:
         return out
     qd = q if d.rows_are_all else q.index_select(0, d.rows)  # [B, num_heads, head_dim]
-    lib = cpu_attention.decode_kernel() if cpu_kernel and cpu_attention.fits(q, k_cache, v_cache) else None
     if lib is not None:
         od = cpu_attention.paged_decode(lib, qd, k_cache, v_cache, d, scale, window)
     elif window is not None:

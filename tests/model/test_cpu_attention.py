@@ -85,7 +85,7 @@ def test_prefill_over_cache_equals_portable(window: int | None, heads_first: boo
     place and equals the portable gather-and-SDPA path, windows and both in-block
     layouts included; entries before a window's first needed block are stale (out of range: never read)."""
     gen = torch.Generator().manual_seed(7 + (window or 0))
-    num_blocks, num_layers, bs, h, hkv, d = 60, 2, 4, 6, 2, 16
+    num_blocks, num_layers, bs, h, hkv, d = 60, 2, 4, 6, 2, 32
     kv = torch.randn(num_blocks, num_layers, 2, bs, hkv, d, generator=gen)
     layer = (_hnd(kv) if heads_first else kv)[:, 1].transpose(0, 1)  # [2, nb, bs, hkv, d] in either stride order
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -108,3 +108,37 @@ def test_prefill_over_cache_equals_portable(window: int | None, heads_first: boo
         table, n = span.block_table, span.context_len
         ours = cpu_attention.paged_prefill(lib, q[rows], k_cache, v_cache, table, n, 0.3, window)
         torch.testing.assert_close(ours, portable[rows])
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 7, 40])
+@pytest.mark.parametrize(("h", "hkv", "d"), [(6, 2, 32), (4, 4, 64), (8, 1, 32)])
+def test_whole_prompt_kernel_equals_sdpa(window: int | None, h: int, hkv: int, d: int) -> None:
+    """What attention.py dispatches for a whole prompt on the CPU (the prefill kernel, causal triangle only)
+    equals torch's SDPA path for prompts shorter than, equal to and past its 32-query tiles and 32-key steps,
+    GQA and MQA, windows narrower and wider than a tile, two prompts in one step, blocks shuffled."""
+    gen = torch.Generator().manual_seed(h * 100 + d + (window or 0))
+    bs, lens = 16, [1, 31, 32, 33, 100, 129]
+    kv = torch.randn(40, 1, 2, bs, hkv, d, generator=gen)
+    layer = kv[:, 0].transpose(0, 1)  # [2, nb, bs, hkv, d]
+    perm = torch.randperm(40, generator=gen).tolist()
+    for a, b in [(0, 1), (2, 3), (4, 5)]:
+        spans, row = [], 0
+        for n in (lens[a], lens[b]):
+            spans.append(PrefillSpan(row, n, n, torch.tensor(perm[: -(-n // bs)])))
+            perm = perm[-(-n // bs) :] + perm[: -(-n // bs)]  # the next prompt's blocks differ
+            row += n
+        q = torch.randn(row, h, d, generator=gen)
+        k = torch.cat([layer[0][s.block_table].flatten(0, 1)[: s.num_query] for s in spans])
+        v = torch.cat([layer[1][s.block_table].flatten(0, 1)[: s.num_query] for s in spans])
+        ctx = AttentionContext(torch.zeros(row, dtype=torch.long), spans, None, bs)
+        assert cpu_attention.prefill_fits(q)
+        ours = paged_attention(q, layer, ctx, 0.2, k, v, window)
+        sdpa = paged_attention(q, layer, ctx, 0.2, k, v, window, cpu_kernel=False)
+        torch.testing.assert_close(ours, sdpa)
+
+
+def test_prefill_kernel_needs_whole_panels() -> None:
+    """head_dim not a multiple of the kernel's panel width: prefill spans stay on SDPA."""
+    assert not cpu_attention.prefill_fits(torch.zeros(3, 4, 80))
+    assert cpu_attention.prefill_fits(torch.zeros(3, 4, 128))

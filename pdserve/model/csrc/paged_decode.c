@@ -20,9 +20,9 @@
 
 #define PARALLEL_MIN (1 << 18) /* elements of K read per step: batch 1 at 512 tokens x 3 heads x 64 reads 2^16.6 */
 
-/* bump with any change to the signatures below, in layer_ops.c or small_gemm.c (2: + prefill; 3: + layer_ops.c;
- * 4: + small_gemm.c) */
-int pdserve_paged_decode_abi(void) { return 4; }
+/* bump with any change to the signatures below, in paged_prefill.c, layer_ops.c or small_gemm.c (2: + prefill;
+ * 3: + layer_ops.c; 4: + small_gemm.c; 5: prefill moved to paged_prefill.c, register-blocked) */
+int pdserve_paged_decode_abi(void) { return 5; }
 
 void pdserve_paged_decode_f32(const float *q,          /* [B, num_heads, head_dim] contiguous */
                               const float *k, const float *v, /* cache bases (layer views) */
@@ -105,139 +105,6 @@ void pdserve_paged_decode_f32(const float *q,          /* [B, num_heads, head_di
             for (int64_t g = 0; g < group; g++) {
                 const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
                 for (int64_t d = 0; d < head_dim; d++) ob[g * head_dim + d] = acc[g * head_dim + d] * inv;
-            }
-        }
-        free(buf);
-    }
-}
-
-/* Paged prefill attention over a cached prefix: one sequence's span of num_query new tokens, at positions
- * offset .. offset + num_query - 1 with offset = context_len - num_query, their K/V already written to the cache.
- * Query i (position p = offset + i) attends to keys [lo, p], lo = max(0, p - window + 1) when window > 0, else 0,
- * read in place through block_table (the same addressing as the decode kernel: any block/row/head strides, so
- * tokens-before-heads and heads-before-tokens blocks alike). No table entry before the block holding the first
- * query's lo is read. Work is split over (KV head, tile of QTILE queries). Per tile and key block the block's K
- * is transposed into a [head_dim, VW]-column scratch (L1-sized, zero-padded to VW columns) so that the scores of
- * RB softmax rows at once accumulate in registers (each K load feeds RB FMAs); each (query, head) row keeps an
- * online softmax in float32, and P.V accumulates VW-wide slices of head_dim in registers.
- */
-#define QTILE 16
-#define VW 16 /* columns of one score vector (one 512-bit register of float32) */
-#define RB 4  /* softmax rows whose scores are computed together */
-
-static void scores_rows(const float *kt, int64_t cols, int64_t head_dim, const float *const *qrows, int64_t nr,
-                        float scale, float *sc /* [RB, cols] */) {
-    for (int64_t c0 = 0; c0 < cols; c0 += VW) {
-        float a[RB][VW];
-        for (int64_t i = 0; i < RB; i++)
-            for (int64_t j = 0; j < VW; j++) a[i][j] = 0.0f;
-        for (int64_t d = 0; d < head_dim; d++) {
-            const float *kd = kt + d * cols + c0;
-            for (int64_t i = 0; i < RB; i++) {
-                const float qd = i < nr ? qrows[i][d] : 0.0f;
-#pragma omp simd
-                for (int64_t j = 0; j < VW; j++) a[i][j] += qd * kd[j];
-            }
-        }
-        for (int64_t i = 0; i < nr; i++)
-            for (int64_t j = 0; j < VW; j++) sc[i * cols + c0 + j] = a[i][j] * scale;
-    }
-}
-
-void pdserve_paged_prefill_f32(const float *q,                  /* [num_query, num_heads, head_dim] contiguous */
-                               const float *k, const float *v,  /* cache bases (layer views) */
-                               int64_t block_stride, int64_t row_stride, int64_t head_stride, /* elements */
-                               const int64_t *block_table,      /* [>= ceil(context_len / block_size)] */
-                               int64_t num_query, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                               float *out) /* [num_query, num_heads, head_dim] contiguous */
-{
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t offset = context_len - num_query;
-    const int64_t num_tiles = (num_query + QTILE - 1) / QTILE;
-    const int64_t tasks = num_kv_heads * num_tiles;
-    const int64_t nrows = QTILE * group; /* softmax rows of one tile: query-major, row = qi * group + g */
-    const int64_t cols = (block_size + VW - 1) / VW * VW;
-    const int64_t reads = num_query * context_len * num_kv_heads; /* rough work: parallel only when it pays */
-#pragma omp parallel if (reads >= PARALLEL_MIN / 4)
-    {
-        /* per thread: kt [head_dim, cols], scores [RB, cols], acc [nrows, head_dim], mx/sum [nrows] */
-        float *buf = (float *)calloc((size_t)(head_dim * cols + RB * cols + nrows * (head_dim + 2)), sizeof(float));
-        float *kt = buf, *sc = kt + head_dim * cols, *acc = sc + RB * cols;
-        float *mx = acc + nrows * head_dim, *sum = mx + nrows;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            const int64_t kh = t % num_kv_heads, tile = t / num_kv_heads;
-            const int64_t i0 = tile * QTILE, i1 = i0 + QTILE < num_query ? i0 + QTILE : num_query;
-            const int64_t p0 = offset + i0, p_last = offset + i1 - 1, rows = (i1 - i0) * group;
-            const int64_t lo0 = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
-            for (int64_t r = 0; r < rows; r++) {
-                mx[r] = -INFINITY;
-                sum[r] = 0.0f;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
-            for (int64_t start = lo0 - lo0 % block_size; start <= p_last; start += block_size) {
-                const int64_t n = context_len - start < block_size ? context_len - start : block_size;
-                const int64_t off = block_table[start / block_size] * block_stride + kh * head_stride;
-                const float *kb = k + off, *vb = v + off;
-                for (int64_t d = 0; d < head_dim; d++) {
-                    for (int64_t r = 0; r < n; r++) kt[d * cols + r] = kb[r * row_stride + d];
-                    for (int64_t r = n; r < cols; r++) kt[d * cols + r] = 0.0f;
-                }
-                /* rows whose query sees part of this block: from the first query whose position reaches it */
-                const int64_t qfirst = start - offset > i0 ? start - offset : i0;
-                for (int64_t row0 = (qfirst - i0) * group; row0 < rows; row0 += RB) {
-                    const int64_t nr = rows - row0 < RB ? rows - row0 : RB;
-                    const float *qrows[RB];
-                    for (int64_t i = 0; i < nr; i++) {
-                        const int64_t qi = i0 + (row0 + i) / group, g = (row0 + i) % group;
-                        qrows[i] = q + (qi * num_heads + kh * group + g) * head_dim;
-                    }
-                    scores_rows(kt, cols, head_dim, qrows, nr, scale, sc);
-                    for (int64_t i = 0; i < nr; i++) {
-                        const int64_t row = row0 + i, p = offset + i0 + row / group;
-                        const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-                        const int64_t r0 = lo > start ? lo - start : 0;
-                        const int64_t r1 = p - start + 1 < n ? p - start + 1 : n;
-                        if (r0 >= r1) continue;
-                        float *si = sc + i * cols;
-                        float m = mx[row];
-#pragma omp simd reduction(max : m)
-                        for (int64_t r = r0; r < r1; r++) m = si[r] > m ? si[r] : m;
-                        const float corr = expf(mx[row] - m); /* 0 on the row's first block (mx = -inf) */
-                        float s = sum[row] * corr;
-#pragma omp simd reduction(+ : s)
-                        for (int64_t r = r0; r < r1; r++) {
-                            si[r] = expf(si[r] - m);
-                            s += si[r];
-                        }
-                        float *ar = acc + row * head_dim;
-                        int64_t d0 = 0;
-                        for (; d0 + VW <= head_dim; d0 += VW) { /* a VW-wide slice of the row in registers */
-                            float a[VW];
-                            for (int64_t j = 0; j < VW; j++) a[j] = ar[d0 + j] * corr;
-                            for (int64_t r = r0; r < r1; r++) {
-                                const float pr = si[r], *vr = vb + r * row_stride + d0;
-#pragma omp simd
-                                for (int64_t j = 0; j < VW; j++) a[j] += pr * vr[j];
-                            }
-                            for (int64_t j = 0; j < VW; j++) ar[d0 + j] = a[j];
-                        }
-                        for (; d0 < head_dim; d0++) { /* head_dim not a multiple of VW: the tail, one by one */
-                            float a = ar[d0] * corr;
-                            for (int64_t r = r0; r < r1; r++) a += si[r] * vb[r * row_stride + d0];
-                            ar[d0] = a;
-                        }
-                        mx[row] = m;
-                        sum[row] = s;
-                    }
-                }
-            }
-            for (int64_t row = 0; row < rows; row++) {
-                const int64_t qi = i0 + row / group, g = row % group;
-                const float inv = sum[row] > 0.0f ? 1.0f / sum[row] : 0.0f;
-                float *o = out + (qi * num_heads + kh * group + g) * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) o[d] = acc[row * head_dim + d] * inv;
             }
         }
         free(buf);

@@ -13,34 +13,8 @@
 #pragma GCC optimize("fp-contract=fast") /* FMA contraction: -std=c99 turns it off */
 #pragma GCC target("prefer-vector-width=512")
 #include <stdint.h>
-#include <string.h>
 
-#define NB 32 /* columns of a panel: two 512-bit vectors of float32 */
-#define MR 8  /* rows of x per pass over a panel */
-
-typedef float v16f __attribute__((vector_size(64)));
-
-/* out[R, NB] = x[R, K] (row stride ldx) times one panel w[K, NB]; R is a constant after inlining, so the
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t ldx, const int R,
-                                                             const float *w, int64_t K, float *out) {
-    v16f a0[MR], a1[MR];
-    for (int m = 0; m < R; m++) a0[m] = a1[m] = (v16f){0};
-    for (int64_t k = 0; k < K; k++) {
-        v16f w0, w1;
-        memcpy(&w0, w + k * NB, sizeof w0);
-        memcpy(&w1, w + k * NB + 16, sizeof w1);
-        for (int m = 0; m < R; m++) {
-            const float xv = x[m * ldx + k];
-            a0[m] += xv * w0;
-            a1[m] += xv * w1;
-        }
-    }
-    for (int m = 0; m < R; m++) {
-        memcpy(out + m * NB, &a0[m], sizeof a0[m]);
-        memcpy(out + m * NB + 16, &a1[m], sizeof a1[m]);
-    }
-}
+#include "panel_fma.h" /* NB, MR, panel_fma_rows */
 
 int64_t pdserve_linear_panel_width(void) { return NB; }
 
@@ -57,16 +31,7 @@ void pdserve_linear_panels_f32(const float *x, int64_t M, int64_t K, int64_t ldx
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t r = M - m0 < MR ? M - m0 : MR;
             const float *xm = x + m0 * ldx;
-            switch (r) {
-                case 1: panel_rows(xm, ldx, 1, w, K, out); break;
-                case 2: panel_rows(xm, ldx, 2, w, K, out); break;
-                case 3: panel_rows(xm, ldx, 3, w, K, out); break;
-                case 4: panel_rows(xm, ldx, 4, w, K, out); break;
-                case 5: panel_rows(xm, ldx, 5, w, K, out); break;
-                case 6: panel_rows(xm, ldx, 6, w, K, out); break;
-                case 7: panel_rows(xm, ldx, 7, w, K, out); break;
-                default: panel_rows(xm, ldx, MR, w, K, out); break;
-            }
+            panel_fma_rows(xm, ldx, 1, r, w, NB, K, out, NB, 0);
             for (int64_t m = 0; m < r; m++) {
                 float *ym = y + (m0 + m) * ldy + n0;
                 for (int64_t j = 0; j < nn; j++) ym[j] = out[m * NB + j] + (bias != NULL ? bias[n0 + j] : 0.0f);

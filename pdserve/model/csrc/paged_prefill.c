@@ -1,0 +1,157 @@
+/* Causal (optionally sliding-window) prefill attention on the CPU, reading K/V in place from the paged cache.
+ *
+ * One sequence's span of num_query new tokens at positions offset .. offset + num_query - 1, offset =
+ * context_len - num_query, their K/V already written to the cache: a whole prompt (offset 0), a later chunk or
+ * the part after a prefix-cache hit. Query i (position p = offset + i) attends to keys [lo, p], lo = max(0, p -
+ * window + 1) when window > 0, else 0. Key position t lives at
+ *   k + block_table[t / block_size] * block_stride + (t % block_size) * row_stride + kv_head * head_stride
+ * (head_dim contiguous; any block/row/head strides, so tokens-before-heads and heads-before-tokens blocks
+ * alike); no table entry before the block holding the first query's lo is read.
+ *
+ * Why not torch's SDPA: its CPU flash kernel splits a 512-token prompt into query blocks of 64 against key
+ * blocks of 512, so causal attention costs nearly as much as full attention (3.3-3.9 ms per layer of the
+ * built-in model, ~20% of a 512-token prefill). Here a task is one KV head and QT queries: the rows of its
+ * `group` query heads (QT x group softmax rows, query-major) share every K/V element they load. The task's
+ * queries are packed once, transposed and scaled ([head_dim, rows]), so scores come out transposed, S^T
+ * [keys, rows], with K's rows read in place from the cache as panel_fma's left operand (MR keys x NB rows of
+ * sums in registers), and O += P V reads V's rows in place as its right operand (S^T's column is P's row):
+ * nothing of K or V is copied. The online softmax runs down S^T's columns, NB rows per vector, in float32
+ * (fast_expf). Steps of KB keys stop at the tile's last position, so the causal triangle costs about what it
+ * computes. head_dim must be a multiple of NB (the caller checks: cpu_attention.prefill_fits). Sums run in
+ * another order than torch's, so outputs differ from SDPA's in the last bits, not in the tokens
+ * (tests/model/test_cpu_attention.py).
+ */
+#pragma GCC optimize("fp-contract=fast") /* FMA contraction: -std=c99 turns it off */
+#pragma GCC target("prefer-vector-width=512")
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fast_exp.h"
+#include "panel_fma.h" /* NB, MR, panel_fma_rows */
+
+#define QT 32 /* queries per task: QT x group rows, a multiple of NB */
+#define KB 32 /* keys per step */
+
+/* Mask what each row's query does not see in this step's scores st [n, rows] (keys key0.., row r's query at
+ * position pos[r], positions as floats: exact below 2^24), fold the step into each row's running max and sum, rescale its output row, and
+ * leave exp(s - max) (0 where masked) in st for the P V product. */
+static void online_softmax(float *st, int64_t n, int64_t rows, const float *pos, int64_t key0, int64_t window,
+                           float *mx, float *sum, float *acc, int64_t head_dim, float *tmp) {
+    float *m_new = tmp, *m_use = tmp + rows, *corr = tmp + 2 * rows, *t = tmp + 3 * rows;
+    const float p_first = pos[0], p_last = pos[rows - 1], w = (float)window;
+    if (key0 + n - 1 > p_first || (window > 0 && key0 <= p_last - w)) /* a diagonal step or a window's edge */
+        for (int64_t j = 0; j < n; j++) {
+            float *sj = st + j * rows;
+            const float kp = (float)(key0 + j);
+#pragma omp simd
+            for (int64_t r = 0; r < rows; r++)
+                sj[r] = kp > pos[r] || (window > 0 && kp <= pos[r] - w) ? -INFINITY : sj[r];
+        }
+    memcpy(m_new, mx, sizeof(float) * (size_t)rows);
+    for (int64_t j = 0; j < n; j++) {
+        const float *sj = st + j * rows;
+#pragma omp simd
+        for (int64_t r = 0; r < rows; r++) m_new[r] = sj[r] > m_new[r] ? sj[r] : m_new[r];
+    }
+    int rescale = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        m_use[r] = m_new[r] == -INFINITY ? 0.0f : m_new[r]; /* a row that saw nothing yet: exp(-inf) = 0 */
+        corr[r] = fast_expf(mx[r] - m_use[r]);              /* 0 on the row's first keys (mx = -inf) */
+        rescale |= corr[r] != 1.0f && mx[r] != -INFINITY;
+        t[r] = 0.0f;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        float *sj = st + j * rows;
+#pragma omp simd
+        for (int64_t r = 0; r < rows; r++) {
+            const float e = fast_expf(sj[r] - m_use[r]);
+            sj[r] = e;
+            t[r] += e;
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        sum[r] = sum[r] * corr[r] + t[r];
+        mx[r] = m_new[r];
+    }
+    if (rescale)
+        for (int64_t r = 0; r < rows; r++) {
+            float *ar = acc + r * head_dim;
+            const float c = corr[r];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) ar[d] *= c;
+        }
+}
+
+void pdserve_paged_prefill_f32(const float *q,                 /* [num_query, num_heads, head_dim] contiguous */
+                               const float *k, const float *v, /* cache bases (layer views) */
+                               int64_t block_stride, int64_t row_stride, int64_t head_stride, /* elements */
+                               const int64_t *block_table, /* [>= ceil(context_len / block_size)] */
+                               int64_t num_query, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                               float *out) /* [num_query, num_heads, head_dim] contiguous */
+{
+    const int64_t group = num_heads / num_kv_heads, offset = context_len - num_query;
+    const int64_t num_tiles = (num_query + QT - 1) / QT, tasks = num_kv_heads * num_tiles;
+    const int64_t max_rows = QT * group;
+#pragma omp parallel if (num_query * context_len >= 4096)
+    {
+        /* per thread: qt [head_dim, max_rows], st [KB, max_rows], acc [max_rows, head_dim], mx, sum, the rows'
+         * positions, and the softmax's four temporaries [max_rows] */
+        const size_t floats = (size_t)(2 * head_dim * max_rows + KB * max_rows + 7 * max_rows);
+        float *buf = (float *)calloc(floats, sizeof(float));
+        float *qt = buf, *st = qt + head_dim * max_rows, *acc = st + KB * max_rows;
+        float *mx = acc + max_rows * head_dim, *sum = mx + max_rows, *pos = sum + max_rows, *tmp = pos + max_rows;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            /* the last (longest) tiles first, so the threads finish together */
+            const int64_t kh = t % num_kv_heads, tile = num_tiles - 1 - t / num_kv_heads;
+            const int64_t i0 = tile * QT, i1 = i0 + QT < num_query ? i0 + QT : num_query;
+            const int64_t p0 = offset + i0, p_end = offset + i1; /* positions of the tile's queries */
+            /* rows padded to whole panels: a short last tile's extra rows score 0 and are never written out */
+            const int64_t rows = (i1 - i0) * group, rp = (rows + NB - 1) / NB * NB;
+            for (int64_t r = 0; r < rp; r++) { /* row r: query i0 + r / group, head kh * group + r % group */
+                const float *qr = q + ((i0 + r / group) * num_heads + kh * group + r % group) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) qt[d * rp + r] = r < rows ? qr[d] * scale : 0.0f;
+                mx[r] = -INFINITY;
+                sum[r] = 0.0f;
+                pos[r] = (float)(p0 + r / group); /* padded rows: past the last query, never written out */
+            }
+            memset(acc, 0, sizeof(float) * (size_t)(rp * head_dim));
+            const int64_t lo0 = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+            for (int64_t key0 = lo0 - lo0 % block_size; key0 < p_end; key0 += KB) {
+                const int64_t n = p_end - key0 < KB ? p_end - key0 : KB;
+                for (int64_t j = 0; j < n;) { /* S^T = K (scale Q)^T, K's rows in place, a cache block at a time */
+                    const int64_t pos = key0 + j, within = pos % block_size;
+                    const int64_t piece = block_size - within < n - j ? block_size - within : n - j;
+                    const float *kb = k + block_table[pos / block_size] * block_stride + within * row_stride +
+                                      kh * head_stride;
+                    for (int64_t m0 = 0; m0 < piece; m0 += MR)
+                        for (int64_t c = 0; c < rp; c += NB)
+                            panel_fma_rows(kb + m0 * row_stride, row_stride, 1, piece - m0 < MR ? piece - m0 : MR,
+                                           qt + c, rp, head_dim, st + (j + m0) * rp + c, rp, 0);
+                    j += piece;
+                }
+                online_softmax(st, n, rp, pos, key0, window, mx, sum, acc, head_dim, tmp);
+                for (int64_t j = 0; j < n;) { /* O += P V, V's rows in place; P's row r is S^T's column r */
+                    const int64_t pos = key0 + j, within = pos % block_size;
+                    const int64_t piece = block_size - within < n - j ? block_size - within : n - j;
+                    const float *vb = v + block_table[pos / block_size] * block_stride + within * row_stride +
+                                      kh * head_stride;
+                    for (int64_t r0 = 0; r0 < rows; r0 += MR)
+                        for (int64_t c = 0; c < head_dim; c += NB)
+                            panel_fma_rows(st + j * rp + r0, 1, rp, rows - r0 < MR ? rows - r0 : MR, vb + c,
+                                           row_stride, piece, acc + r0 * head_dim + c, head_dim, 1);
+                    j += piece;
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+                float *o = out + ((i0 + r / group) * num_heads + kh * group + r % group) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) o[d] = acc[r * head_dim + d] * inv;
+            }
+        }
+        free(buf);
+    }
+}
