@@ -32,7 +32,34 @@
 #include "panel_fma.h" /* NB, MR, panel_fma_rows */
 
 #define QT 32 /* queries per task: QT x group rows, a multiple of NB */
-#define KB 32 /* keys per step */
+#define KB 64 /* keys per step (64 measured ~4% faster than 32 at 512 tokens) */
+
+/* acc[R, NB] (row stride ldacc) += p[R, K] v[K, NB]: p's element (m, k) at p[m + k * ldp] (a column block of
+ * S^T), v's row k at vrow[k] (V's rows in place, the step's keys across cache blocks). panel_fma's register
+ * blocking with the key loop over the whole step, so the accumulators are loaded and stored once per step. */
+static inline __attribute__((always_inline)) void pv_panel(const float *p, int64_t ldp, const int R,
+                                                           const float *const *vrow, int64_t c, int64_t K,
+                                                           float *acc, int64_t ldacc) {
+    v16f a0[MR], a1[MR];
+    for (int m = 0; m < R; m++) {
+        memcpy(&a0[m], acc + m * ldacc, sizeof a0[m]);
+        memcpy(&a1[m], acc + m * ldacc + 16, sizeof a1[m]);
+    }
+    for (int64_t k = 0; k < K; k++) {
+        v16f w0, w1;
+        memcpy(&w0, vrow[k] + c, sizeof w0);
+        memcpy(&w1, vrow[k] + c + 16, sizeof w1);
+        for (int m = 0; m < R; m++) {
+            const float pv = p[m + k * ldp];
+            a0[m] += pv * w0;
+            a1[m] += pv * w1;
+        }
+    }
+    for (int m = 0; m < R; m++) {
+        memcpy(acc + m * ldacc, &a0[m], sizeof a0[m]);
+        memcpy(acc + m * ldacc + 16, &a1[m], sizeof a1[m]);
+    }
+}
 
 /* Mask what each row's query does not see in this step's scores st [n, rows] (keys key0.., row r's query at
  * position pos[r], positions as floats: exact below 2^24), fold the step into each row's running max and sum, rescale its output row, and
@@ -102,7 +129,9 @@ void pdserve_paged_prefill_f32(const float *q,                 /* [num_query, nu
         const size_t floats = (size_t)(2 * head_dim * max_rows + KB * max_rows + 7 * max_rows);
         float *buf = (float *)calloc(floats, sizeof(float));
         float *qt = buf, *st = qt + head_dim * max_rows, *acc = st + KB * max_rows;
-        float *mx = acc + max_rows * head_dim, *sum = mx + max_rows, *pos = sum + max_rows, *tmp = pos + max_rows;
+        float *mx = acc + max_rows * head_dim, *sum = mx + max_rows, *pos = sum + max_rows;
+        float *tmp = pos + max_rows;
+        const float *vrow[KB];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             /* the last (longest) tiles first, so the threads finish together */
@@ -134,17 +163,19 @@ void pdserve_paged_prefill_f32(const float *q,                 /* [num_query, nu
                     j += piece;
                 }
                 online_softmax(st, n, rp, pos, key0, window, mx, sum, acc, head_dim, tmp);
-                for (int64_t j = 0; j < n;) { /* O += P V, V's rows in place; P's row r is S^T's column r */
-                    const int64_t pos = key0 + j, within = pos % block_size;
-                    const int64_t piece = block_size - within < n - j ? block_size - within : n - j;
-                    const float *vb = v + block_table[pos / block_size] * block_stride + within * row_stride +
-                                      kh * head_stride;
-                    for (int64_t r0 = 0; r0 < rows; r0 += MR)
-                        for (int64_t c = 0; c < head_dim; c += NB)
-                            panel_fma_rows(st + j * rp + r0, 1, rp, rows - r0 < MR ? rows - r0 : MR, vb + c,
-                                           row_stride, piece, acc + r0 * head_dim + c, head_dim, 1);
-                    j += piece;
+                for (int64_t j = 0; j < n; j++) { /* O += P V, V's rows in place; P's row r is S^T's column r */
+                    const int64_t pos = key0 + j;
+                    vrow[j] = v + block_table[pos / block_size] * block_stride + (pos % block_size) * row_stride +
+                              kh * head_stride;
                 }
+                for (int64_t r0 = 0; r0 < rows; r0 += MR)
+                    for (int64_t c = 0; c < head_dim; c += NB) {
+                        if (rows - r0 >= MR)
+                            pv_panel(st + r0, rp, MR, vrow, c, n, acc + r0 * head_dim + c, head_dim);
+                        else /* a short last tile's tail rows, one at a time */
+                            for (int64_t r = r0; r < rows; r++)
+                                pv_panel(st + r, rp, 1, vrow, c, n, acc + r * head_dim + c, head_dim);
+                    }
             }
             for (int64_t r = 0; r < rows; r++) {
                 const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
