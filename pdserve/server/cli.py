@@ -15,6 +15,7 @@ from pdserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pdserve.http_port import STARTUP_FAILURE, bind_port_zero
 from pdserve.server.transfer_args import add_transfer_arguments, transfer_config_from
 from pdserve.transfer.faults import NO_FAULTS, Faults
 
@@ -171,6 +172,13 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
             "reaches this instance can read or write KV through it (docs/deploy.md)"
         )
 
+    try:  # --port 0: bound now, before the model loads, and printed (http_port.py); else uvicorn binds it later
+        sockets = bind_port_zero("serve", args.host, args.port)
+    except OSError as e:
+        print(f"pdserve serve: cannot listen on {args.host}: {e}", file=sys.stderr)
+        return STARTUP_FAILURE
+    port = args.port if sockets is None else sockets[0].getsockname()[1]
+
     import uvicorn
 
     from pdserve.engine.async_engine import AsyncEngine
@@ -200,13 +208,13 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
     t = config.transfer
     log.info(
         "serving %s on http://%s:%d (kv role %s, transfer %s, engine id %s, %d torch threads, tensor parallel %d)",
-        args.model, args.host, args.port, t.role, t.mode, t.engine_id, config.model.num_threads,
+        args.model, args.host, port, t.role, t.mode, t.engine_id, config.model.num_threads,
         config.parallel.tensor_parallel_size,
     )  # fmt: skip
     uv_config = uvicorn.Config(
         app,
         host=args.host,
-        port=args.port,
+        port=port,
         log_level=args.log_level,
         access_log=False,
         http="h11",
@@ -215,7 +223,7 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         timeout_graceful_shutdown=5,  # streams still open at shutdown are cut after this long
     )
     server = uvicorn.Server(uv_config)
-    server.run()
+    server.run(sockets=sockets)
     if failed:
         print(f"pdserve serve: engine failed to start: {failed[0]}", file=sys.stderr)
         return 1
