@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "counts them (whole_total). Default: every request is disaggregated",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--port", type=int, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
+    )
     p.add_argument(
         "--policy", choices=POLICIES, default="least-loaded", help="instance choice per leg (default least-loaded)"
     )
