@@ -31,7 +31,7 @@ from pdserve.bench.client import ClientConfig, RequestOutput  # noqa: E402
 from pdserve.bench.dataset import SampleRequest, random_requests  # noqa: E402
 from pdserve.bench.deploy import Deployment, ServerOptions  # noqa: E402
 from pdserve.bench.metrics import calculate_metrics, parse_goodput  # noqa: E402
-from pdserve.bench.procs import ManagedProcess, free_ports  # noqa: E402
+from pdserve.bench.procs import ManagedProcess  # noqa: E402
 from pdserve.bench.runner import LoadConfig, run_load  # noqa: E402
 from pdserve.bench.tokenizer import Vocab, load_vocab  # noqa: E402
 
@@ -50,12 +50,11 @@ def workload(vocab: Vocab, args: argparse.Namespace, seed: int, prefix: str) -> 
 
 
 def start_router(deployment: Deployment, threshold: int | None, log_dir: Path) -> tuple[ManagedProcess, str]:
-    (port,) = free_ports(1)
-    argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--mode", "push", "--port", str(port)]
+    argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--mode", "push", "--port", "0"]  # prints its port
     argv += ["--prefill", deployment.prefill_url, "--decode", deployment.decode_url]
     argv += ["--kv-auth-secret-file", str(deployment.secret_file), "--colocate-below", str(threshold)]
     router = ManagedProcess(f"router_below{threshold}", argv, log_dir / f"router_below{threshold}.log")
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{router.wait_port(120.0)}"
     router.wait_healthy(url + "/health", 120.0)
     return router, url
 

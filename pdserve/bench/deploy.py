@@ -9,6 +9,9 @@ every /health, then the router, wait for its /health. Shutdown order (the revers
 — so no request is routed to an instance that is already gone. `Deployment` is a context manager; leaving the block by
 return, exception or Ctrl-C stops every process it started.
 
+Ports: every server and the router start with `--port 0` (and side channels on port 0) and the deployment
+reads back the port each bound (ManagedProcess.wait_port; pdserve/http_port.py says why not probed ports).
+
 Each deployment gets its own deployment secret (auth.new_secret), written to <log_dir>/<mode>_kv_auth_secret
 (mode 0600) and passed to every process with --kv-auth-secret-file: its transfer params and side channel are
 authenticated as a production deployment's would be.
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.auth import new_secret
-from pdserve.bench.procs import ManagedProcess, free_ports
+from pdserve.bench.procs import ManagedProcess
 
 
 @dataclass(frozen=True)
@@ -95,41 +98,44 @@ class Deployment:
             argv.append("--no-enable-prefix-caching")  # as in the reference runs: D never shortcuts a transfer
         return argv + self._auth_flags() + self.options.server_flags()
 
+    def _url(self, proc: ManagedProcess) -> str:
+        """The base URL of a server started with `--port 0`, once it printed the port it bound."""
+        return f"http://{self.host}:{proc.wait_port(self.startup_timeout_s)}"
+
     def _gpu_env(self, gpu: int | None) -> dict[str, str] | None:
         return None if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}
 
     def start(self) -> Deployment:
         if self.mode == "colocated":
             return self._start_colocated()
-        p_port, d_port, p_side, d_side, r_port = free_ports(5, self.host)
-        self.prefill_url = f"http://{self.host}:{p_port}"
-        self.decode_url = f"http://{self.host}:{d_port}"
-        self.router_url = f"http://{self.host}:{r_port}"
         logs = self.log_dir
         self.secret_file = self._write_secret()
         try:
             prefill = ManagedProcess(
                 "prefill",
-                self._serve_argv("prefill", p_port, p_side),
+                self._serve_argv("prefill", 0, 0),
                 logs / f"{self.mode}_prefill.log",
                 self._gpu_env(self.options.prefill_gpu),
             )
             self.procs.append(prefill)
             decode = ManagedProcess(
                 "decode",
-                self._serve_argv("decode", d_port, d_side),
+                self._serve_argv("decode", 0, 0),
                 logs / f"{self.mode}_decode.log",
                 self._gpu_env(self.options.decode_gpu),
             )
             self.procs.append(decode)
+            self.prefill_url = self._url(prefill)
+            self.decode_url = self._url(decode)
             prefill.wait_healthy(self.prefill_url + "/health", self.startup_timeout_s)
             decode.wait_healthy(self.decode_url + "/health", self.startup_timeout_s)
             router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", self.mode]
-            router_argv += ["--port", str(r_port), "--prefill", self.prefill_url, "--decode", self.decode_url]
+            router_argv += ["--port", "0", "--prefill", self.prefill_url, "--decode", self.decode_url]
             router_argv += self._auth_flags()
             router_argv += list(self.router_args)
             router = ManagedProcess("router", router_argv, logs / f"{self.mode}_router.log")
             self.procs.append(router)
+            self.router_url = self._url(router)
             router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)
         except BaseException:
             self.stop()
@@ -137,21 +143,20 @@ class Deployment:
         return self
 
     def _start_colocated(self) -> Deployment:
-        ports = free_ports(3, self.host)
-        self.router_url = f"http://{self.host}:{ports[-1]}"
-        self.instance_urls = [f"http://{self.host}:{port}" for port in ports[:2]]
         try:
             gpus = (self.options.prefill_gpu, self.options.decode_gpu)  # the devices 1P1D would use
-            for i, (port, gpu) in enumerate(zip(ports[:2], gpus, strict=True)):
-                argv = self._serve_argv("both", port, 0)
+            for i, gpu in enumerate(gpus):
+                argv = self._serve_argv("both", 0, 0)
                 log_path = self.log_dir / f"{self.mode}_instance{i}.log"
                 self.procs.append(ManagedProcess(f"instance{i}", argv, log_path, self._gpu_env(gpu)))
+            self.instance_urls = [self._url(proc) for proc in self.procs]
             for proc, url in zip(self.procs, self.instance_urls, strict=True):
                 proc.wait_healthy(url + "/health", self.startup_timeout_s)
             router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", "colocated"]
-            router_argv += ["--port", str(ports[-1]), "--instance", *self.instance_urls, *self.router_args]
+            router_argv += ["--port", "0", "--instance", *self.instance_urls, *self.router_args]
             router = ManagedProcess("router", router_argv, self.log_dir / f"{self.mode}_router.log")
             self.procs.append(router)
+            self.router_url = self._url(router)
             router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)
         except BaseException:
             self.stop()

@@ -3,11 +3,16 @@
 Each server or router runs in a session of its own (so a terminal's Ctrl-C reaches only us, and we decide
 the shutdown order) and is stopped by signalling its whole process group: SIGTERM, a grace period, SIGKILL.
 Descendants that left the group are found through /proc before the group is signalled and killed by pid.
+
+Ports: a port probed free and passed to a server can be taken before the server binds it (free_ports says
+by whom, and why it picks outside the kernel's ephemeral range); a server of ours started with `--port 0`
+instead prints the port it bound, which wait_port() reads from its log (pdserve/http_port.py).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,17 +20,56 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from contextlib import ExitStack
 from pathlib import Path
+
+from pdserve.http_port import bound_port
 
 
 def free_ports(num: int, host: str = "127.0.0.1") -> list[int]:
-    """`num` distinct TCP ports free right now (held together while chosen, so never the same twice)."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(num)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
+    """`num` distinct TCP ports that are free right now, for servers this process starts later, outside the
+    kernel's ephemeral range and never the same as one handed out before in this process.
+
+    Why outside that range: between this probe and the server's bind (a model load later) a port in the range
+    may be given by the kernel to anyone binding port 0 or connecting out (side channels, UCX listeners, the TP
+    store, HTTP clients); a port outside it is taken only by someone naming it. Why random: two harnesses
+    starting at once rarely pick the same one. A server of ours need not be given a port at all: `--port 0`
+    prints the one the kernel picked (pdserve/http_port.py); this is for servers that cannot (vLLM) and for an
+    address where nothing listens."""
+    low, high = _ephemeral_range()
+    candidates = [*range(max(1024, low // 2), low), *range(high + 1, 65536)] or list(range(1024, 65536))
+    ports: list[int] = []
+    for port in _RANDOM.sample(candidates, len(candidates)):
+        if len(ports) == num:
+            break
+        if port not in _HANDED_OUT and _is_free(host, port):
+            ports.append(port)
+            _HANDED_OUT.add(port)
+    if len(ports) < num:
+        raise OSError(f"no {num} free ports on {host}")
+    return ports
+
+
+_RANDOM = random.SystemRandom()  # not the global generator: a benchmark may seed it, and two processes alike
+_HANDED_OUT: set[int] = set()  # every port free_ports returned in this process: never returned twice
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for port 0 and outgoing connections (Linux; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def descendants(pid: int) -> list[int]:
@@ -64,6 +108,7 @@ class ManagedProcess:
         self._log = open(log_path, "ab")
         self._log.write(f"$ {' '.join(self.argv)}\n".encode())
         self._log.flush()
+        self._log_start = self._log.tell()  # the log may hold earlier runs' lines (appended): this run's start here
         self.proc = subprocess.Popen(
             self.argv,
             stdout=self._log,
@@ -85,6 +130,28 @@ class ManagedProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         except OSError:
             return ""
+
+    def wait_port(self, timeout_s: float) -> int:
+        """The port a pdserve server started with `--port 0` bound (it prints it before loading the model); raise
+        if the process exits or the deadline passes first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with open(self.log_path, "rb") as f:
+                    f.seek(self._log_start)
+                    port = bound_port(f.read().decode(errors="replace"))
+            except OSError:
+                port = None
+            if port is not None:
+                return port
+            if not self.is_alive():
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} before it bound its port; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: no port in {self.log_path} after {timeout_s:.0f} s")
+            time.sleep(0.1)
 
     def wait_healthy(self, url: str, timeout_s: float) -> None:
         """Poll `url` until it answers 200; raise if the process exits or the deadline passes."""

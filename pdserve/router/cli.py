@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -43,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "counts them (whole_total). Default: every request is disaggregated",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--port", type=int, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
+    )
     p.add_argument(
         "--policy", choices=POLICIES, default="least-loaded", help="instance choice per leg (default least-loaded)"
     )
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdserve.auth import load_secret
+    from pdserve.http_port import STARTUP_FAILURE, bind_port_zero
     from pdserve.router.proxy import RouterConfig, build_app
     from pdserve.web import MAX_REQUEST_HEAD_BYTES
 
@@ -127,17 +131,26 @@ def run(args: argparse.Namespace) -> int:
         backends = f"prefill {', '.join(config.prefill_urls)}, decode {', '.join(config.decode_urls)}"
         if config.colocate_below is not None:
             backends += f"; prompts below ~{config.colocate_below} tokens go to decode alone"
+    try:  # --port 0: bound now and printed (http_port.py); else uvicorn binds it, as uvicorn.run would
+        sockets = bind_port_zero("proxy", args.host, args.port)
+    except OSError as e:
+        print(f"pdserve proxy: cannot listen on {args.host}: {e}", file=sys.stderr)
+        return STARTUP_FAILURE
+    port = args.port if sockets is None else sockets[0].getsockname()[1]
     logging.getLogger("pdserve.router").info(
-        "router (%s mode, %s) on http://%s:%d: %s", config.mode, config.policy, args.host, args.port, backends
+        "router (%s mode, %s) on http://%s:%d: %s", config.mode, config.policy, args.host, port, backends
     )
-    uvicorn.run(
+    uv_config = uvicorn.Config(
         build_app(config),
         host=args.host,
-        port=args.port,
+        port=port,
         log_level=args.log_level,
         access_log=False,
         http="h11",
         h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
         timeout_graceful_shutdown=5,  # streams still open at shutdown are cut after this long
     )
-    return 0
+    server = uvicorn.Server(uv_config)
+    with contextlib.suppress(KeyboardInterrupt):  # what uvicorn.run did: Ctrl-C is a normal stop
+        server.run(sockets=sockets)
+    return 0 if server.started else STARTUP_FAILURE

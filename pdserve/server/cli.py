@@ -15,6 +15,7 @@ from pdserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pdserve.http_port import STARTUP_FAILURE, bind_port_zero
 from pdserve.server.transfer_args import add_transfer_arguments, transfer_config_from
 from pdserve.transfer.faults import NO_FAULTS, Faults
 
@@ -39,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="built-in/preset name (e.g. smollm2-135m), Hugging Face model folder, or .gguf file")
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    g.add_argument(
+        "--port", type=int, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
+    )
     g.add_argument(
         "--served-model-name", nargs="+", default=None, help="name(s) clients use in `model` (default: MODEL)"
     )
@@ -171,6 +174,13 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
             "reaches this instance can read or write KV through it (docs/deploy.md)"
         )
 
+    try:  # --port 0: bound now, before the model loads, and printed (http_port.py); else uvicorn binds it later
+        sockets = bind_port_zero("serve", args.host, args.port)
+    except OSError as e:
+        print(f"pdserve serve: cannot listen on {args.host}: {e}", file=sys.stderr)
+        return STARTUP_FAILURE
+    port = args.port if sockets is None else sockets[0].getsockname()[1]
+
     import uvicorn
 
     from pdserve.engine.async_engine import AsyncEngine
@@ -200,13 +210,13 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
     t = config.transfer
     log.info(
         "serving %s on http://%s:%d (kv role %s, transfer %s, engine id %s, %d torch threads, tensor parallel %d)",
-        args.model, args.host, args.port, t.role, t.mode, t.engine_id, config.model.num_threads,
+        args.model, args.host, port, t.role, t.mode, t.engine_id, config.model.num_threads,
         config.parallel.tensor_parallel_size,
     )  # fmt: skip
     uv_config = uvicorn.Config(
         app,
         host=args.host,
-        port=args.port,
+        port=port,
         log_level=args.log_level,
         access_log=False,
         http="h11",
@@ -215,7 +225,7 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         timeout_graceful_shutdown=5,  # streams still open at shutdown are cut after this long
     )
     server = uvicorn.Server(uv_config)
-    server.run()
+    server.run(sockets=sockets)
     if failed:
         print(f"pdserve serve: engine failed to start: {failed[0]}", file=sys.stderr)
         return 1

@@ -28,7 +28,8 @@ thread/ — the transfer thread (and the side-channel thread):
                      pull_read.py: one pull's state (Read); pull_confirm.py: D's deadline for P's acks
   push.py            PushCore (routes to push_send.py, P's rendezvous, and push_recv.py, D's registration and
                      completions) and PushWorker; push_rendezvous.py: the rendezvous' state (per transfer id,
-                     per D rank); push_write.py: one D rank's WRITE (descriptors, post, poll)
+                     per D rank); push_write.py: one D rank's WRITE (descriptors, post, poll); push_wait.py:
+                     one push recv's state on D (Wait)
   landing.py         D, both modes: what happens once a recv's KV landed (staging copy-in, then report)
   agent.py           the only file that imports nixl; errors become AgentError / PeerGone
   netdev.py          UCX_NET_DEVICES before the agent exists: UCX listens on the side channel's interface only

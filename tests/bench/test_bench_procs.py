@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pdserve.bench.cli_sweep import parse_attach
@@ -54,9 +55,34 @@ def test_wait_healthy_reports_an_early_exit(tmp_path: Path) -> None:
     proc.stop()
 
 
-def test_free_ports_are_distinct() -> None:
-    ports = free_ports(5)
-    assert len(set(ports)) == 5 and all(p > 0 for p in ports)
+def test_free_ports_are_distinct_and_outside_the_kernels_range() -> None:
+    ports = free_ports(5) + free_ports(5)  # distinct across calls too, not only within one
+    assert len(set(ports)) == 10 and all(p > 0 for p in ports)
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = (int(x) for x in f.read().split())
+    assert not any(low <= p <= high for p in ports)  # never one the kernel may give to a bind(0) or a connect
+
+
+def test_proxy_on_port_zero_reports_the_port_it_bound(tmp_path: Path) -> None:
+    log_path = tmp_path / "router.log"
+    log_path.write_text("pdserve proxy: listening on http://127.0.0.1:1\n")  # an earlier run's line (appended)
+    (dead,) = free_ports(1)
+    argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--mode", "colocated", "--port", "0"]
+    proc = ManagedProcess("router", [*argv, "--instance", f"http://127.0.0.1:{dead}"], log_path)
+    try:
+        port = proc.wait_port(timeout_s=60)
+        assert port != 1
+        deadline = time.monotonic() + 60
+        while True:  # the router answers on that port: its /health is a 503 naming the dead instance given
+            try:
+                resp = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "router never answered"
+                time.sleep(0.1)
+        assert resp.status_code == 503 and f"http://127.0.0.1:{dead}" in resp.json()["error"]["message"]
+    finally:
+        proc.stop()
 
 
 def test_result_names() -> None:

@@ -1,4 +1,4 @@
-"""Real pdserve processes on loopback for end-to-end tests: started on free ports, waited for, always stopped.
+"""Real pdserve processes on loopback for end-to-end tests: started on ports they pick, waited for, always stopped.
 
     with Launcher(tmp_path) as launch:
         p = launch.serve(model_dir, "--kv-role", "prefill")
@@ -12,6 +12,12 @@ Each process runs in its own session (process group), so stopping it also stops 
 `prefix` runs a process through another program, e.g. `ip netns exec NS` (tests/e2e/netns.py); `host` is then
 the address it listens on, which the Launcher uses to reach it.
 Logs go to files; `dump_logs()` prints them, and the Launcher does so by itself when the block raises.
+
+Ports: `serve` and `proxy` start with `--port 0`: the process binds a port the kernel picks and prints it
+(pdserve/http_port.py), and `Proc.port` reads it from the log. A port probed free here and passed on could be
+taken before the process binds it, a model load later, by anything the kernel gives a port to meanwhile
+(another instance's side channel or UCX listener, the TP store, an outgoing connection); CI saw that once.
+A `port` given explicitly (a network namespace, a restart on the same address) is used as is.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,17 +35,11 @@ from typing import Any, TextIO
 
 import httpx
 
+from pdserve.http_port import bound_port
 from pdserve.transfer.faults import Faults
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_READY_TIMEOUT_S = 180.0  # model load on a busy 2-core machine, torch import included
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -49,16 +48,39 @@ class Proc:
 
     name: str
     argv: list[str]
-    port: int
+    given_port: int  # its --port; 0: the kernel picks, and the process prints which (port reads it)
     popen: subprocess.Popen[bytes]
     log_path: Path
     ready_statuses: tuple[int, ...] = (200,)  # /health answers that count as up
     is_ready: bool = False
     host: str = "127.0.0.1"  # the address it listens on (its --host)
+    picked_port: int | None = None  # the port it printed, once read (given_port 0)
+
+    @property
+    def port(self) -> int:
+        """The port it listens on; for --port 0, waits until the process printed it (before its model loads)."""
+        if self.given_port:
+            return self.given_port
+        deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
+        while self.picked_port is None:
+            self.picked_port = bound_port(self.log_text())
+            if self.picked_port is None:
+                if self.popen.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.popen.returncode} before it bound a port")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} printed no port in {DEFAULT_READY_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+        return self.picked_port
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def argv_on_same_port(self) -> list[str]:
+        """Its command line with the port it bound instead of --port 0: to start it again on the same address."""
+        argv = list(self.argv)
+        argv[argv.index("--port") + 1] = str(self.port)
+        return argv
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -88,6 +110,7 @@ class Launcher:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Proc] = []
+        self.num_started = 0  # numbers the default names (and log files) of processes started with --port 0
         self.env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -125,6 +148,7 @@ class Launcher:
             )
         proc = Proc(name, argv, port, popen, log_path, ready_statuses, host=host)
         self.procs.append(proc)
+        self.num_started += 1
         return proc
 
     def serve(
@@ -137,10 +161,11 @@ class Launcher:
         host: str = "127.0.0.1",
         port: int | None = None,
     ) -> Proc:
-        """`pdserve serve MODEL` on a free port, free side-channel port, one torch thread, a small KV cache
-        (each overridable through `args`); with `faults`, through serve_with_faults.py (test-only faults).
+        """`pdserve serve MODEL` on a port and side-channel port the kernel picks, one torch thread, a small KV
+        cache (each overridable through `args`); with `faults`, through serve_with_faults.py (test-only faults).
         In another network namespace (`prefix`), pass its `host` address and a `port` (free there)."""
-        port = free_port() if port is None else port
+        port = 0 if port is None else port
+        name = name or f"serve-{port or self.num_started}"
         argv = [str(model), "--host", host, "--port", str(port)]
         defaults = {"--kv-side-channel-port": "0", "--num-threads": "1", "--num-gpu-blocks": "128"}
         for flag, value in defaults.items():
@@ -148,9 +173,9 @@ class Launcher:
                 argv += [flag, value]
         argv += list(args)
         if faults is None:
-            return self.start(name or f"serve-{port}", ["serve", *argv], port, prefix=prefix, host=host)
+            return self.start(name, ["serve", *argv], port, prefix=prefix, host=host)
         program = (str(Path(__file__).with_name("serve_with_faults.py")), faults.to_json())
-        return self.start(name or f"serve-{port}", argv, port, program=program, prefix=prefix, host=host)
+        return self.start(name, argv, port, program=program, prefix=prefix, host=host)
 
     def proxy(
         self,
@@ -164,13 +189,14 @@ class Launcher:
         host: str = "127.0.0.1",
         port: int | None = None,
     ) -> Proc:
-        """`pdserve proxy` on a free port in front of `prefill` and `decode` (processes or URLs); in another
-        network namespace as `serve` is."""
-        port = free_port() if port is None else port
+        """`pdserve proxy` on a port the kernel picks, in front of `prefill` and `decode` (processes or URLs);
+        in another network namespace as `serve` is."""
+        port = 0 if port is None else port
+        name = name or f"proxy-{port or self.num_started}"
         urls = lambda procs: [p.url if isinstance(p, Proc) else p for p in procs]  # noqa: E731
         argv = ["proxy", "--mode", mode, "--host", host, "--port", str(port)]
         argv += ["--prefill", *urls(prefill), "--decode", *urls(decode)]
-        return self.start(name or f"proxy-{port}", argv + list(args), port, ready_statuses, prefix=prefix, host=host)
+        return self.start(name, argv + list(args), port, ready_statuses, prefix=prefix, host=host)
 
     def wait_ready(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
         """Block until every started process answers /health with one of its ready statuses; raises (with

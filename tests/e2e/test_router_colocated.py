@@ -10,7 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import Launcher, Proc, free_port, joined_stream, post, stream_events, wait_idle, wait_log_status
+from helpers import Launcher, Proc, joined_stream, post, stream_events, wait_idle, wait_log_status
+
+from pdserve.bench.procs import free_ports
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -19,9 +21,9 @@ GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_t
 
 
 def _colocated_router(launcher: Launcher, urls: list[str], *args: str) -> Proc:
-    port = free_port()
-    argv = ["proxy", "--mode", "colocated", "--port", str(port), "--instance", *urls, "--connect-timeout-s", "2"]
-    router = launcher.start(f"router-colocated-{port}", argv + list(args), port, ready_statuses=(200, 503))
+    argv = ["proxy", "--mode", "colocated", "--port", "0", "--instance", *urls, "--connect-timeout-s", "2"]
+    name = f"router-colocated-{launcher.num_started}"
+    router = launcher.start(name, argv + list(args), 0, ready_statuses=(200, 503))
     launcher.wait_ready()
     return router
 
@@ -63,7 +65,7 @@ def test_colocated_equals_one_instance_and_spreads(launcher: Launcher, instances
 
 
 def test_colocated_routes_around_a_dead_instance(launcher: Launcher, instances: list[Proc]) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     router = _colocated_router(launcher, [instances[0].url, dead], "--policy", "round-robin")
     assert httpx.get(router.url + "/health").status_code == 503  # /health names every backend's state
     statuses = [

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Launcher, Proc, free_port, post, wait_idle
+from helpers import Launcher, Proc, post, wait_idle
+
+from pdserve.bench.procs import free_ports
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -28,7 +30,7 @@ def backend(launcher: Launcher, tiny_llama: Path) -> Proc:
 
 @pytest.fixture(scope="module")
 def dead_url() -> str:
-    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    return f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
 
 
 def _router(launcher: Launcher, mode: str, prefill: str, decode: str) -> Proc:

@@ -27,7 +27,7 @@ def kill(proc: Proc) -> None:
 
 def restart(launcher: Launcher, proc: Proc) -> Proc:
     """The same command line (same ports) again; waits until it is healthy."""
-    again = launcher.start(proc.name + "-again", proc.argv, proc.port)
+    again = launcher.start(proc.name + "-again", proc.argv_on_same_port(), proc.port)
     launcher.wait_ready()
     return again
 

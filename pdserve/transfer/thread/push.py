@@ -1,6 +1,7 @@
 """Push mode on the transfer thread: D registers its blocks while P computes; P WRITEs when both are ready
-(docs/architecture.md). The halves are push_send.py (P) and push_recv.py (D), joined by PushCore, which routes
-each StepMeta part and notification to its side. The scheduler half is scheduler/push.py.
+(docs/architecture.md). The halves are push_send.py (P) and push_recv.py (D; one recv's state is push_wait.py's),
+joined by PushCore, which routes each StepMeta part and notification to its side. The scheduler half is
+scheduler/push.py.
 """
 
 from __future__ import annotations

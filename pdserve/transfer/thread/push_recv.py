@@ -20,14 +20,15 @@ The producers (PushDone to count) are the P ranks holding this rank's heads, fro
 KV heads in P's handshake (heads.py), never the request's params; each rank of a TP instance waits on its own.
 Every wait ends: a silent P is declared dead by the heartbeats (peers.py) within peer_timeout_s, and a cancel
 P never answers is given up after recv_timeout_s (logged as an error: P is alive yet ignores us).
+
+One recv's state (Wait, its WaitState and how it ends) is push_wait.py's; this module is the protocol that
+moves it.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from dataclasses import dataclass, field
 
 from pdserve.transfer.base import RecvTask
 from pdserve.transfer.faults import FaultPoint
@@ -36,6 +37,7 @@ from pdserve.transfer.thread.agent import AgentError, PeerGone
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
+from pdserve.transfer.thread.push_wait import CancelWhy, RecvEnd, Wait, WaitState
 from pdserve.transfer.wire import encode
 from pdserve.transfer.wire_notifs import PushCancel, PushCancelAck, PushDone, PushFail, PushQueued, PushRegister
 
@@ -46,69 +48,12 @@ KEEPALIVES_PER_TIMEOUT = 4  # P is asked for a PushQueued this many times per re
 MIN_KEEPALIVE_MS = 10
 
 
-class WaitState(enum.Enum):
-    """D: a push recv's steps, in order (CANCELLING after a timeout or abort; STAGING only with a host mirror)."""
-
-    HANDSHAKE = "handshake"  # waiting for P's handshake
-    DELAYED = "delayed"  # handshake done, registration not sent yet
-    REGISTERED = "registered"  # P has the registration: a WRITE may land
-    CANCELLING = "cancelling"  # PushCancel sent: waiting until P says nothing more lands (or is known dead)
-    STAGING = "staging"  # every producer's data landed in the mirror; copy-in pending
-
-
-class CancelWhy(enum.Enum):
-    ABORT = "abort"  # the engine aborted the request: reported as cancelled
-    TIMEOUT = "timeout"  # the receive clock ran out: reported as failed
-
-
-class RecvEnd(enum.Enum):
-    """How a recv is reported to the engine (exactly once)."""
-
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-@dataclass
-class _Wait:
-    task: RecvTask
-    remote: PushSource
-    state: WaitState = WaitState.HANDSHAKE
-    peers: dict[int, Peer] = field(default_factory=dict)  # P rank -> peer; every rank of P is registered with
-    producers: set[int] = field(default_factory=set)  # P ranks that write this rank's heads (heads.py)
-    done_ranks: set[int] = field(default_factory=set)  # producers whose data landed
-    over_ranks: set[int] = field(default_factory=set)  # producers that will write nothing (more)
-    num_bytes: int = 0
-    registered_at: float = 0.0
-    alive_at: float = 0.0  # time.monotonic() of the last sign of life (arrival, then P's PushQueued)
-    num_queued: int = 0  # PushQueued notices received
-    cancel_why: CancelWhy | None = None
-    cancel_at: float = 0.0  # time.monotonic() of the first PushCancel
-    fail_reason: str = ""
-
-    @property
-    def peer(self) -> Peer | None:
-        """P's rank 0 (the address in the params)."""
-        return self.peers.get(0)
-
-    @property
-    def num_producers(self) -> int:
-        """PushDone to count: the P ranks holding this rank's heads, from both sides' TP sizes and KV heads in
-        P's handshake (never the request's params)."""
-        return len(self.producers)
-
-    def is_producer(self, rank: int) -> bool:
-        return rank in self.producers
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.remote.transfer_id, self.task.attempt
-
-
 class RecvSide:
+    """D's push recvs on the transfer thread: one Wait per request id, each reported exactly once (_end)."""
+
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
-        self.waits: dict[str, _Wait] = {}  # request id -> wait
+        self.waits: dict[str, Wait] = {}  # request id -> wait
         self.by_key: dict[tuple[str, int], str] = {}  # (transfer id, attempt) -> request id
         ctx.peers.on_dead.append(self._on_peer_dead)
 
@@ -117,7 +62,7 @@ class RecvSide:
         if not isinstance(remote, PushSource):
             self.ctx.sink.recv_failed(rid, "kv_transfer_params are for pull mode, this instance is in push mode")
             return
-        w = _Wait(task, remote, alive_at=now)
+        w = Wait(task, remote, alive_at=now)
         if w.key in self.by_key:
             self.ctx.sink.recv_failed(rid, f"transfer {remote.transfer_id} attempt {task.attempt} is already waiting")
             return
@@ -127,7 +72,7 @@ class RecvSide:
             remote.host, remote.port, remote.engine_id, True, lambda p, e: self._on_peers(rid, w, p, e)
         )
 
-    def _on_peers(self, rid: str, w: _Wait, peers: dict[int, Peer] | None, error: str | None) -> None:
+    def _on_peers(self, rid: str, w: Wait, peers: dict[int, Peer] | None, error: str | None) -> None:
         if self.waits.get(rid) is not w:
             return  # cancelled or timed out before registering: nothing can be written
         if peers is None:
@@ -137,7 +82,7 @@ class RecvSide:
         w.state = WaitState.DELAYED  # until _register(): at once, unless a test delays it
         self.ctx.cfg.faults.defer(FaultPoint.REGISTER, self.ctx.thread.call_at, lambda: self._register(rid, w))
 
-    def _register(self, rid: str, w: _Wait) -> None:
+    def _register(self, rid: str, w: Wait) -> None:
         """Register with every P rank, writer or not: each P rank's part of the send ends with this rank's."""
         if self.waits.get(rid) is not w:
             return
@@ -157,7 +102,7 @@ class RecvSide:
         self.ctx.sink.event(rid, "registration_sent")
 
     # ---- P's notifications ------------------------------------------------------------------------------------------
-    def _lookup(self, tid: str, attempt: int) -> tuple[str, _Wait] | None:
+    def _lookup(self, tid: str, attempt: int) -> tuple[str, Wait] | None:
         rid = self.by_key.get((tid, attempt))
         return None if rid is None else (rid, self.waits[rid])
 
@@ -197,7 +142,7 @@ class RecvSide:
                 (w.done_ranks if msg.landed else w.over_ranks).add(msg.producer_rank)
             self._maybe_over(rid, w)
 
-    def _maybe_over(self, rid: str, w: _Wait) -> None:
+    def _maybe_over(self, rid: str, w: Wait) -> None:
         n = w.num_producers
         if w.state is WaitState.STAGING:
             return  # over already: the copy-in ends it
@@ -207,9 +152,9 @@ class RecvSide:
             else:
                 self._landed(rid, w)
         elif len(w.done_ranks | w.over_ranks) >= n:
-            self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
+            self._end(rid, w, w.unlanded_end, w.fail_reason)
 
-    def _landed(self, rid: str, w: _Wait) -> None:
+    def _landed(self, rid: str, w: Wait) -> None:
         """Every producer's data landed. Staging: it is in the mirror; copy it into the KV cache first."""
         if self.ctx.stager is not None:
             w.state = WaitState.STAGING  # a cancel now ends the recv at once: nothing more lands, the copy is skipped
@@ -220,7 +165,7 @@ class RecvSide:
         land(self.ctx, w.task, w.peers[0].info.block_size, lambda: self.waits.get(rid) is w, end)
 
     # ---- timeouts and cancels ----------------------------------------------------------------------------------------
-    def _timeout(self, rid: str, w: _Wait) -> None:
+    def _timeout(self, rid: str, w: Wait) -> None:
         if self.waits.get(rid) is not w or w.state in (WaitState.CANCELLING, WaitState.STAGING):
             return
         due = w.alive_at + self.ctx.cfg.recv_timeout_s
@@ -246,12 +191,12 @@ class RecvSide:
         else:  # nothing registered yet: nothing can be written
             self._end(rid, w, RecvEnd.CANCELLED, "")
 
-    def _start_cancel(self, rid: str, w: _Wait, why: CancelWhy, reason: str) -> None:
+    def _start_cancel(self, rid: str, w: Wait, why: CancelWhy, reason: str) -> None:
         w.state, w.cancel_why, w.fail_reason = WaitState.CANCELLING, why, reason
         w.cancel_at = time.monotonic()
         self._send_cancel(rid, w)
 
-    def _send_cancel(self, rid: str, w: _Wait) -> None:
+    def _send_cancel(self, rid: str, w: Wait) -> None:
         for peer in list(w.peers.values()):  # every rank: a non-writer drops the registration it holds
             try:
                 self.ctx.agent.send_notif(peer.agent_name, encode(PushCancel(w.remote.transfer_id, w.task.attempt)))
@@ -263,12 +208,12 @@ class RecvSide:
                 log.warning("push: cancel of %s not sent: %s", w.remote.transfer_id, e)
         self.ctx.thread.call_at(time.monotonic() + PROBE_AFTER_S, lambda: self._probe(rid, w))
 
-    def _probe(self, rid: str, w: _Wait) -> None:
+    def _probe(self, rid: str, w: Wait) -> None:
         if self.waits.get(rid) is not w or w.peer is None:
             return
         self.ctx.peers.probe(w.remote.host, w.remote.port, w.peer, lambda alive: self._on_probe(rid, w, alive))
 
-    def _on_probe(self, rid: str, w: _Wait, alive: bool | None) -> None:
+    def _on_probe(self, rid: str, w: Wait, alive: bool | None) -> None:
         if self.waits.get(rid) is not w:
             return
         if alive is False:
@@ -279,14 +224,14 @@ class RecvSide:
             log.error("push: %s never answered the cancel of %s in %g s; giving its blocks up", w.remote.host,
                       w.remote.transfer_id, self.ctx.cfg.recv_timeout_s)  # fmt: skip
             w.fail_reason += "; the prefill instance never answered the cancel"
-            self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
+            self._end(rid, w, w.unlanded_end, w.fail_reason)
             return
         # alive or unknown, yet silent: P may have forgotten our agent (and cannot answer). Handshake again
         # (P loads us again), then ask again; the blocks stay held meanwhile.
         log.warning("push: no answer from %s to the cancel of %s; asking again", w.remote.host, w.remote.transfer_id)
         self.ctx.peers.connect(w.remote.host, w.remote.port, None, True, lambda p, e: self._resend(rid, w, p), True)
 
-    def _resend(self, rid: str, w: _Wait, peer: Peer | None) -> None:
+    def _resend(self, rid: str, w: Wait, peer: Peer | None) -> None:
         if self.waits.get(rid) is not w:
             return
         if peer is not None and w.peer is not None and peer.agent_name != w.peer.agent_name:
@@ -302,7 +247,7 @@ class RecvSide:
                 w.fail_reason = w.fail_reason or "waiting for the prefill instance"
                 self._peer_dead(rid, w, peer)
 
-    def _peer_dead(self, rid: str, w: _Wait, peer: Peer) -> None:
+    def _peer_dead(self, rid: str, w: Wait, peer: Peer) -> None:
         """One rank of P is gone: nothing more lands from it. Another producer rank of P may still be writing
         into this rank's blocks: the recv ends once each is over too (cancelled and answered, or dead)."""
         self.ctx.peers.forget(peer)
@@ -313,12 +258,12 @@ class RecvSide:
         w.fail_reason = f"{w.fail_reason}; prefill instance {peer.engine_id} (rank {peer.info.tp_rank}) is gone"
         live = w.producers - w.done_ranks - w.over_ranks  # producer ranks whose WRITE may still land
         if not live or w.state in (WaitState.HANDSHAKE, WaitState.DELAYED):
-            self._end(rid, w, RecvEnd.CANCELLED if w.cancel_why is CancelWhy.ABORT else RecvEnd.FAILED, w.fail_reason)
+            self._end(rid, w, w.unlanded_end, w.fail_reason)
         elif w.state is WaitState.REGISTERED:
             self._start_cancel(rid, w, CancelWhy.TIMEOUT, w.fail_reason)
         # CANCELLING: the live producers' answers (or their deaths) end it
 
-    def _end(self, rid: str, w: _Wait, kind: RecvEnd, reason: str) -> None:
+    def _end(self, rid: str, w: Wait, kind: RecvEnd, reason: str) -> None:
         """Nothing more can land in this recv's blocks: report it, exactly once."""
         del self.waits[rid]
         del self.by_key[w.key]
