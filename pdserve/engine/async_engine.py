@@ -30,6 +30,8 @@ IDLE_WAIT_S = 1.0  # nothing to do at all: wake up at least this often
 TRANSFER_WAIT_S = 0.05  # only transfers pending: a safety net; the transfer thread calls wakeup() on results
 STATS_EVERY_S = 0.1  # the engine thread republishes its stats snapshot at least this often while busy
 
+OutputQueue = asyncio.Queue[RequestOutput | Exception]  # one request's stream, read on its event loop
+
 
 class AsyncEngine:
     """Implements `pdserve.engine.client.EngineClient`. The event loop talks to the engine thread only through
@@ -184,8 +186,17 @@ class AsyncEngine:
                 self._send(command.request_id, RuntimeError(f"engine error: {type(e).__name__}: {e}"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one call_soon_threadsafe per event loop, not one per output: each
+        call writes to the loop's self-pipe, and the loop it wakes takes the GIL from this thread mid-dispatch.
+        At 8 streams on the CPU the time between steps went from 1.1-1.4 ms to 0.8-0.9 ms (docs/benchmarks.md)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputQueue, RequestOutput]]] = {}
         for out in outputs:
-            self._send(out.request_id, out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, queue = stream
+                batches.setdefault(loop, []).append((queue, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _send(self, request_id: str, item: RequestOutput | Exception) -> None:
         stream = self._streams.get(request_id)
@@ -218,3 +229,9 @@ class AsyncEngine:
         if self._engine is None:
             return []
         return self._engine.timelines()
+
+
+def _put_all(items: list[tuple[OutputQueue, RequestOutput]]) -> None:
+    """On the event loop: one step's outputs into their streams' queues, in step order."""
+    for queue, out in items:
+        queue.put_nowait(out)
