@@ -129,7 +129,10 @@ class LLMEngine:
         if rid is None:
             return False, None
         if rid in self.scheduler.requests:
-            return True, self.abort(rid)
+            out = self.abort(rid)
+            if out is not None:
+                out.released = True  # the router gave this leg up: its HTTP answer is a 499, not an error
+            return True, out
         if (pinned := self.scheduler.release_pin(rid)) is not None:
             self._released.remember(pinned)
             self._submit_transfers()

@@ -235,6 +235,11 @@ async def _answer(
                 events, media_type="text/event-stream", headers=headers, background=BackgroundTask(run.close)
             )
         out = await run.final()
+        if out is not None and out.finish_reason == "abort" and out.released:
+            # the router released this prefill (POST /kv_transfer/release: its client or decode leg is gone) and
+            # may close this connection at the same moment: a 499 either way, whichever P notices first
+            run.status = 499
+            return error_response(499, f"request {request_id} was released before its prefill ran")
         if out is None or not out.finished or out.finish_reason in ("error", "abort"):
             run.status = 500
             message = (out.error if out is not None else None) or f"request {request_id} was aborted by the engine"

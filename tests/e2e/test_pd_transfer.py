@@ -408,6 +408,33 @@ def test_disconnect_while_prefill_queued_aborts_both_legs(cl: Cluster, busy_pref
     assert_all_free(p, d)
 
 
+def test_release_of_a_queued_prefill_answers_its_leg_499(cl: Cluster, busy_prefill: Any) -> None:
+    """The router's POST /kv_transfer/release reaching P while the prefill leg is still open (it gave the request
+    up: its client or decode leg is gone) ends that leg as a 499, not as a 500 "aborted by the engine": the
+    router closes the leg at the same moment, and P's log must not depend on which of the two it notices first
+    (CI saw the 500 in test_disconnect_while_prefill_queued_aborts_both_legs[push])."""
+    p = cl.p_pull
+    busy_prefill(p)
+    rid = f"released-{uuid.uuid4().hex}"
+    body = {"prompt": PROMPT, **GREEDY, "kv_transfer_params": {"do_remote_decode": True}}
+    answer: list[httpx.Response] = []
+    leg = threading.Thread(
+        target=lambda: answer.append(post(p.url, "/v1/completions", body, headers={"X-Request-Id": rid}))
+    )
+    leg.start()
+    deadline = time.monotonic() + 30
+    while not _seen(p, rid):  # queued behind the busy requests
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    entries = httpx.get(p.url + "/timeline", timeout=10).json()
+    engine_id = next(e["request_id"] for e in entries if e["client_request_id"] == rid)
+    assert post(p.url, "/kv_transfer/release", {"request_id": engine_id}).status_code == 200
+    leg.join(30)
+    assert answer and answer[0].status_code == 499, answer[0].text if answer else "no answer"
+    assert "released" in answer[0].json()["error"]["message"]
+    assert wait_log_status(p, rid) == "499"
+
+
 def test_everything_free_at_the_end(cl: Cluster) -> None:
     """Last in the module: every instance is back to all blocks free; the engine-loop counters ran."""
     assert_all_free(*cl.instances)
