@@ -29,16 +29,7 @@ from typing import Any
 import httpx
 
 from pdserve.bench.deploy import Deployment, ServerOptions
-
-
-def _metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+from pdserve.bench.scrape import scrape_metrics
 
 
 def _transfer(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> tuple[float, float]:
@@ -70,12 +61,12 @@ def _serve(dep: Deployment, lens: list[int], requests: int, vocab: int, rng: ran
         sizes, times = [], []
         for _ in range(requests + 1):  # the first is a warm-up (handshake, first use of the shapes)
             prompt = [rng.randrange(100, vocab) for _ in range(n)]
-            before = {k: _metrics(u) for k, u in urls.items()}
+            before = {k: scrape_metrics(u) for k, u in urls.items()}
             body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "temperature": 0}
             resp = httpx.post(dep.router_url + "/v1/completions", json=body, timeout=600, trust_env=False)
             resp.raise_for_status()
             time.sleep(0.5)  # P's side of the transfer ends after D's answer: let both publish their stats
-            got, secs = _transfer(before, {k: _metrics(u) for k, u in urls.items()})
+            got, secs = _transfer(before, {k: scrape_metrics(u) for k, u in urls.items()})
             sizes.append(got)
             times.append(secs)
         rows.append(

@@ -22,7 +22,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
@@ -30,6 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, when pdserve is not installed
 
 from pdserve.bench.deploy import Deployment, ServerOptions  # noqa: E402
+from pdserve.bench.scrape import scrape_metrics  # noqa: E402
 
 WORDS = "the a cat dog ran over under quick brown lazy fox river city night morning sang wrote".split()
 MAX_TOKENS = 16
@@ -38,17 +38,6 @@ MAX_TOKENS = 16
 def prompts(num: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 120))) for _ in range(num)]
-
-
-def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def rss_mib(pid: int) -> float:
@@ -62,7 +51,7 @@ def wait_free(url: str, timeout_s: float = 60.0) -> int:
     """Blocks not free after the instance went idle (0 = nothing leaked), waiting up to timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
-        m = metrics(url)
+        m = scrape_metrics(url)
         leaked = int(m["pdserve_kv_blocks_total"] - m["pdserve_kv_blocks_free"])
         if leaked == 0 or time.monotonic() > deadline:
             return leaked

@@ -35,6 +35,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from pdserve.bench.scrape import scrape_metrics  # noqa: F401  (tests import it from here)
 from pdserve.http_port import bound_port
 from pdserve.transfer.faults import Faults
 
@@ -238,17 +239,6 @@ class Launcher:
 
 
 # --- talking to the processes -----------------------------------------------------------------------------
-
-
-def scrape_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """GET url/metrics as {"name{labels}": value} (comment lines dropped)."""
-    text = httpx.get(url + "/metrics", headers=headers, timeout=10, trust_env=False).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def wait_idle(url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None) -> dict[str, float]:
