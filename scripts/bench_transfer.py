@@ -37,6 +37,8 @@ def _child(conn: Any, gpu: int, role: str, mode: str, model: str, block_size: in
     from pdserve.model.arch import ModelArch
     from pdserve.model.presets import get_preset
     from pdserve.transfer.factory import make_connectors
+    from pdserve.transfer.params import encode
+    from pdserve.transfer.params_decode import decode
 
     arch = ModelArch.from_hf_config(get_preset(model))
     kv = allocate_kv_cache(arch, num_blocks, block_size, torch.bfloat16, torch.device("cuda" if gpu >= 0 else "cpu"))
@@ -47,6 +49,7 @@ def _child(conn: Any, gpu: int, role: str, mode: str, model: str, block_size: in
     worker.register_kv_cache(kv, kv_cache_spec(kv, model, "bfloat16"))
     worker.start(lambda: None)
     results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "finished_sends": [], "events": []}
+    sources: dict[str, Any] = {}  # D: each request's parsed kv_transfer_params, from "needs" to "alloc"
     conn.send(("ready", sched.info()))
     while True:
         if conn.poll(0.0002):
@@ -56,12 +59,15 @@ def _child(conn: Any, gpu: int, role: str, mode: str, model: str, block_size: in
                 worker.shutdown()
                 conn.send(("ok", None))
                 return
-            if cmd == "needs":
-                reply = sched.needs_remote_kv(*args)
-            elif cmd == "alloc":
-                sched.on_blocks_allocated(*args)
-            elif cmd == "finish":
-                reply = sched.on_request_finished(*args)
+            if cmd == "needs":  # kv_transfer_params as JSON, parsed as the server parses them
+                sources[args[0]] = decode(args[1])
+                reply = sched.needs_remote_kv(args[0], sources[args[0]])
+            elif cmd == "alloc":  # (request id, blocks, local tokens, prompt tokens)
+                sched.on_blocks_allocated(*args, sources.pop(args[0]))
+            elif cmd == "finish":  # -> (keep blocks, the answer's kv_transfer_params as JSON)
+                keep = sched.on_request_finished(*args[:3], decode(args[3]))
+                answer = sched.take_answer(args[0])
+                reply = keep, None if answer is None else encode(answer)
             elif cmd == "results":
                 reply = {k: list(v) for k, v in results.items()}
             elif cmd == "block_sums":  # [len(block_ids)] float64 sums over layers, K/V and the block's rows
@@ -121,7 +127,7 @@ class Proc:
 
 
 def run(mode: str, a: argparse.Namespace, scattered: bool) -> dict[str, Any]:
-    n_blocks = -(-a.tokens // a.block_size)
+    n_blocks = -(-(a.tokens + 1) // a.block_size)  # the prompt is tokens + 1 long: D recomputes the last
     num_blocks = 2 * n_blocks + 8
     ctx = mp.get_context("spawn")
     p = Proc(ctx, a.prefill_gpu, "prefill", mode, a.model, a.block_size, num_blocks)
@@ -163,7 +169,8 @@ def run(mode: str, a: argparse.Namespace, scattered: bool) -> dict[str, Any]:
                 times.append(ev_d["kv_received"] - posted)
                 ready.append(ev_d["kv_received"] - t0)
             if i in (0, a.repeat):  # D recomputes the last prompt token: --tokens tokens move, whole blocks
-                ps, ds = p.call("block_sums", p_blocks), d.call("block_sums", d_blocks)
+                moved = -(-a.tokens // a.block_size)  # the blocks holding the tokens D does not recompute
+                ps, ds = p.call("block_sums", p_blocks[:moved]), d.call("block_sums", d_blocks[:moved])
                 assert ps == ds, f"{mode}: D's blocks differ from P's"
         nbytes = d.call("stats") // (a.repeat + 1)
     finally:
