@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def _variants(preset: str, root: Path) -> dict[str, Path]:
     subprocess.run([sys.executable, str(Path(__file__).with_name("dummy_model_dir.py")), preset, str(windowed)],
                    check=True, capture_output=True)  # fmt: skip
     full = root / f"{preset}-full"
-    subprocess.run(["cp", "-r", str(windowed), str(full)], check=True)
+    shutil.copytree(windowed, full)
     cfg = json.loads((full / "config.json").read_text())
     cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
     (full / "config.json").write_text(json.dumps(cfg, indent=1))

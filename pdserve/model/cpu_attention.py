@@ -3,7 +3,7 @@ and prefill spans, whole prompts or after cached context (csrc/paged_prefill.c).
 
 attention.py serves decode rows with the decode kernel and prefill spans with the prefill kernel (when head_dim
 is a multiple of PANEL; else torch's fused SDPA). The prefill kernel computes the causal triangle only, with
-register-blocked products (csrc/panel_fma.h): 1.4-1.6x faster than SDPA on a 512-token prompt of the built-in
+register-blocked products (csrc/panel_fma.h): 1.76x faster than SDPA on a 512-token prompt of the built-in
 model (scripts/bench_cpu_prefill.py).
 
 The kernel is plain C with OpenMP, built with the system C compiler on first use (or ahead of time by `make
