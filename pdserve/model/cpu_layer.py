@@ -1,6 +1,6 @@
 """The CPU float32 path of a decoder layer: forward()'s math with its small ops fused into single C/OpenMP passes
-(cpu_layer_ops.py), decode rows reading the paged cache in place (cpu_attention.py) and few-row linears from
-packed weights (cpu_linear.py).
+(cpu_layer_ops.py), decode rows reading the paged cache in place (cpu_attention.py) and linears from
+weights packed once (cpu_linear.py).
 
 It mirrors DecoderLayer.forward_fused with the C kernels in place of the Triton ones. It lives apart so that the
 CUDA path stays as it was measured and the layer's module stays the model's definition; the decoder calls
@@ -16,12 +16,12 @@ from torch import nn
 
 from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.attention import paged_attention
-from pdserve.model.cpu_linear import PanelLinears
+from pdserve.model.cpu_linear import PackedLinears
 from pdserve.model.decoder_layer import DecoderLayer
 from pdserve.model.paged import AttentionContext
 
 
-def _linear(panels: PanelLinears | None, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _linear(panels: PackedLinears | None, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return module(x) if panels is None else panels.linear(module, x, module.weight, module.bias)
 
 
@@ -34,7 +34,7 @@ def forward_cpu(
     sin: torch.Tensor,
     layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
     ctx: AttentionContext,
-    panels: PanelLinears | None = None,  # packed weights for few-row steps (cpu_linear.py); None: F.linear
+    panels: PackedLinears | None = None,  # packed linear weights (cpu_linear.py); None: F.linear
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU float32 path of layer.forward(), its small ops fused (cpu_layer_ops.py): returns (this layer's MLP
     output, residual stream), whose sum is forward()'s."""

@@ -1,31 +1,69 @@
-"""The decode step's linears on the CPU: weights packed once into column panels, a few rows at a time through
-csrc/small_gemm.c (built into cpu_attention's library).
+"""The CPU float32 linears from weights packed once at load time: MKL's packed GEMM where torch carries MKL (x86
+wheels), else column panels through csrc/small_gemm.c.
 
-Why: at a handful of rows a linear is bound by reading its weight, and MKL's sgemm packs that weight again on
-every call. Measured on the built-in model's 30 layers of weights (420 MB, streamed from memory as a decode step
-does, 2 threads): 8 rows 37.7 ms through F.linear vs 28.4 ms from panels, 16 rows 45.3 vs 34.1; one row 16.9 vs
-18.4 and 32 rows 48.4 vs 50.7, so F.linear keeps those (MAX_ROWS). The packed copy costs a second copy of every
-linear weight, so models whose linear weights exceed PACK_MAX_BYTES are not packed (F.linear throughout).
+Why: F.linear calls MKL's sgemm, which packs its weight operand again on every call. At a few rows (decode) that
+doubles the weight traffic the step is bound by; at prefill sizes it is a repack of every weight from memory per
+layer. MKL exports the packing as its own API (cblas_sgemm_pack / cblas_sgemm_compute; libtorch_cpu links MKL
+statically and exports them), so a weight can be packed once and used for any row count. Measured over 30 layers
+of the built-in model's linear shapes streamed from memory (column-major weights as the engine stores them, 2
+threads; scripts/bench_cpu_linear.py), F.linear vs packed: 8 rows 31.9 vs 22.5 ms, 16 rows 38.3 vs 26.6, 64 rows
+54.5 vs 46.2, 512 rows 301.7 vs 275.5, 2048 rows 1080.8 vs 1075.2; at one row F.linear's GEMV reads the weight
+once already and keeps it (MIN_ROWS). The packed result equals F.linear's bit for bit from 17 rows up (measured;
+MKL picks the same kernel) and differs in the last bits below (as MKL's own 1-row and 8-row results do), never in
+the tokens (tests/model/test_cpu_linear.py). The column panels of small_gemm.c were the first answer to the same
+problem (8 rows 24.2 ms, 16 rows 30.7, slower than F.linear from 24 rows), kept for torch builds without MKL.
 
-PanelLinears holds the packed copies, keyed by the module (or "lm_head"); Decoder owns one, built after loading
-(`pack_decoder`), and the CPU layer path (cpu_layer.forward_cpu) and Decoder.logits call `linear`.
+The packed copy costs one more copy of every linear weight resident (MKL's buffer size is larger, but the pages
+it never writes are never touched: RSS grew 7.1 MB per 7.1 MB weight); models whose linear weights exceed
+PACK_MAX_BYTES are not packed (F.linear throughout).
+
+PackedLinears holds the packed copies, keyed by the module (or "lm_head"); Decoder owns one, built after loading
+(`pack_cpu_linears`), and the CPU layer path (cpu_layer.forward_cpu) and Decoder.logits call `linear`.
 """
 
 from __future__ import annotations
 
 import ctypes
+from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 MIN_ROWS = 2  # fewer rows: F.linear (MKL's one-row GEMV already reads the weight once; measured as fast or faster)
-MAX_ROWS = 16  # more rows: F.linear (MKL's GEMM amortizes its packing; measured faster from 32 rows)
+PANEL_MAX_ROWS = 16  # the column panels' range ends here (F.linear measured faster from 24 rows)
 PACK_MAX_BYTES = 4 * 2**30  # linear weights beyond this are not duplicated (memory over a few ms per step)
+# The row count MKL packs for: its packed layout depends on it (the size does not). Measured over the 30 layers
+# (scripts/bench_cpu_linear.py --hints): packed for 512 rows, the product runs 8 rows 25.1 ms, 64 rows 49.1, 512
+# rows 301.6, 2048 rows 1218.5; packed for 16 rows 24.6 / 70.3 / 388.6 / 1522.8; for 1 row 39.2 ms at 8 rows
+# and 448.2 at 512 (slower than F.linear). One copy packed for 512 serves every row count.
+PACK_ROWS_HINT = 512
+
+# CBLAS constants (mkl_cblas.h)
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
+
+
+@cache
+def mkl_packed_gemm() -> ctypes.CDLL | None:
+    """torch's own library with MKL's packed-GEMM entry points typed, or None when this torch build lacks them."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        size, pack_, compute = lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack, lib.cblas_sgemm_compute
+    except (OSError, AttributeError):
+        return None
+    i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    size.argtypes, size.restype = [i, i, i, i], ctypes.c_size_t
+    pack_.argtypes, pack_.restype = [i, i, i, i, i, i, f, p, i, p], None
+    compute.argtypes, compute.restype = [i, i, i, i, i, i, p, i, p, i, f, p, i], None
+    return lib
 
 
 def pack(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """[N, K] -> [ceil(N / width), K, width] contiguous: panel p holds columns p * width .. of W^T, zero-padded."""
+    """Column panels: [N, K] -> [ceil(N / width), K, width] contiguous: panel p holds columns p * width .. of W^T,
+    zero-padded."""
     n, k = weight.shape
     panels = -(-n // width)
     wt = torch.zeros(k, panels * width, dtype=weight.dtype)
@@ -33,35 +71,75 @@ def pack(weight: torch.Tensor, width: int) -> torch.Tensor:
     return wt.view(k, panels, width).permute(1, 0, 2).contiguous()
 
 
-class PanelLinears:
-    """Packed weights of a decoder's CPU linears (float32) and the call that uses them."""
+def mkl_pack(mkl: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed form of W^T for y = x W^T, from a row-major [N, K] weight or its column-major twin (the engine
+    stores linears column-major, use_column_major_linears); a byte buffer only cblas_sgemm_compute reads."""
+    n, k = weight.shape
+    if weight.stride() == (k, 1):
+        trans, ld = _TRANS, k  # B = W^T read from W's rows
+    else:
+        weight = weight.t().contiguous().t() if weight.stride() != (1, n) else weight
+        trans, ld = _NO_TRANS, n  # W^T is a row-major [K, N] already
+    m = PACK_ROWS_HINT
+    buf = torch.empty(mkl.cblas_sgemm_pack_get_size(_B_MATRIX, m, n, k), dtype=torch.uint8)
+    mkl.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, trans, m, n, k, 1.0, weight.data_ptr(), ld, buf.data_ptr())
+    return buf
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+
+class PackedLinears:
+    """Packed weights of a decoder's CPU linears (float32) and the call that uses them. `lib` is the kernel library
+    (cpu_attention.decode_kernel()), used only where MKL's packed GEMM is missing (`backend` says which)."""
+
+    def __init__(self, lib: ctypes.CDLL | None, mkl: ctypes.CDLL | None = None) -> None:
+        self.mkl = mkl
         self.lib = lib
-        self.width = int(lib.pdserve_linear_panel_width())
-        self.panels: dict[nn.Module | str, tuple[torch.Tensor, int]] = {}  # key -> (panels, N)
-        self.nbytes = 0
+        if mkl is None and lib is None:
+            raise ValueError("neither MKL's packed GEMM nor the kernel library is available")
+        self.backend = "mkl" if mkl is not None else "panels"
+        self.width = 0 if lib is None else int(lib.pdserve_linear_panel_width())
+        self.max_rows = None if mkl is not None else PANEL_MAX_ROWS  # None: every row count from MIN_ROWS
+        self.packed: dict[nn.Module | str, tuple[torch.Tensor, int, int]] = {}  # key -> (packed, N, K)
+        self.nbytes = 0  # resident bytes of the packed copies (a weight's own size for MKL: see the module doc)
 
     def add(self, key: nn.Module | str, weight: torch.Tensor) -> None:
-        packed = pack(weight.detach(), self.width)
-        self.panels[key] = (packed, weight.shape[0])
-        self.nbytes += packed.numel() * packed.element_size()
+        weight = weight.detach()
+        n, k = weight.shape
+        if self.mkl is not None:
+            self.packed[key] = (mkl_pack(self.mkl, weight), n, k)
+            self.nbytes += n * k * weight.element_size()
+        else:
+            panels = pack(weight, self.width)
+            self.packed[key] = (panels, n, k)
+            self.nbytes += panels.numel() * panels.element_size()
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of `rows` rows runs from the packed copies (else F.linear)."""
+        return rows >= MIN_ROWS and (self.max_rows is None or rows <= self.max_rows)
 
     def linear(
         self, key: nn.Module | str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [M, K] @ weight^T + bias: from the panels when M is in [MIN_ROWS, MAX_ROWS] and key was packed,
-        else F.linear (the same values up to rounding)."""
-        entry = self.panels.get(key)
+        """x [M, K] @ weight^T + bias: from the packed copy when `takes(M)` and key was packed, else F.linear (the
+        same values up to rounding)."""
+        entry = self.packed.get(key)
         m = x.shape[0]
-        if entry is None or not MIN_ROWS <= m <= MAX_ROWS or x.dim() != 2:
+        if entry is None or x.dim() != 2 or not self.takes(m):
             return F.linear(x, weight, bias)
-        packed, n = entry
+        packed, n, k = entry
         if x.stride(1) != 1:
             x = x.contiguous()
+        if self.mkl is not None:
+            if bias is None:
+                y, beta = torch.empty(m, n, dtype=x.dtype), 0.0
+            else:
+                y, beta = bias.expand(m, n).contiguous(), 1.0
+            self.mkl.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, x.data_ptr(), x.stride(0),
+                                         packed.data_ptr(), n, beta, y.data_ptr(), n)  # fmt: skip
+            return y
+        assert self.lib is not None
         y = torch.empty(m, n, dtype=x.dtype)
         b = None if bias is None else bias.contiguous().data_ptr()
-        self.lib.pdserve_linear_panels_f32(x.data_ptr(), m, x.shape[1], x.stride(0), packed.data_ptr(), n, b,
+        self.lib.pdserve_linear_panels_f32(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, b,
                                            y.data_ptr(), n)  # fmt: skip
         return y
 

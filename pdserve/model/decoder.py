@@ -40,7 +40,7 @@ from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable
 from pdserve.model.cpu_layer import forward_cpu
-from pdserve.model.cpu_linear import PACK_MAX_BYTES, PanelLinears, linear_bytes
+from pdserve.model.cpu_linear import PACK_MAX_BYTES, PackedLinears, linear_bytes, mkl_packed_gemm
 from pdserve.model.decoder_layer import DecoderLayer, RMSNorm
 from pdserve.model.kv_groups import KVGroups
 from pdserve.model.paged import AttentionContext, layer_view
@@ -78,7 +78,7 @@ class Decoder(nn.Module):
         self.use_cpu_kernel = True  # on the CPU: decode attention through cpu_attention's C kernel
         self.use_cpu_layer_ops = True  # on the CPU: cpu_layer.forward_cpu's fused small ops (needs use_cpu_kernel too;
         # False keeps the attention kernel and takes the portable small ops: benchmarks compare the two)
-        self.cpu_linears: PanelLinears | None = None  # on the CPU: packed weights for few-row linears (cpu_linear.py;
+        self.cpu_linears: PackedLinears | None = None  # on the CPU: packed linear weights (cpu_linear.py;
         # pack_cpu_linears builds it after loading; None = F.linear throughout)
         # fused path: cos/sin per position (global rotary, gemma's local rotary), built on first use
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -207,18 +207,18 @@ def use_column_major_linears(decoder: Decoder) -> None:
 
 @torch.no_grad()
 def pack_cpu_linears(decoder: Decoder) -> None:
-    """Give a float32 CPU decoder packed copies of its layers' linear weights and of its LM head, for decode steps
-    of a few rows (cpu_linear.py says why and what it measured); nothing when the kernel library is not built or
-    the weights are too large to duplicate (cpu_linear.PACK_MAX_BYTES)."""
-    lib = cpu_attention.decode_kernel()
+    """Give a float32 CPU decoder packed copies of its layers' linear weights and of its LM head (cpu_linear.py says
+    why and what it measured); nothing when neither MKL's packed GEMM nor the kernel library is available, or the
+    weights are too large to duplicate (cpu_linear.PACK_MAX_BYTES)."""
     head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight
-    if lib is None or head.dtype != torch.float32 or head.device.type != "cpu":
+    if head.dtype != torch.float32 or head.device.type != "cpu":
         return
-    if linear_bytes(decoder) + head.numel() * head.element_size() > PACK_MAX_BYTES:
+    mkl, lib = mkl_packed_gemm(), cpu_attention.decode_kernel()
+    if (mkl is None and lib is None) or linear_bytes(decoder) + head.numel() * head.element_size() > PACK_MAX_BYTES:
         return
-    panels = PanelLinears(lib)
+    packed = PackedLinears(lib, mkl)
     for layer in decoder.decoder_layers:
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            panels.add(linear, linear.weight)
-    panels.add("lm_head", head)
-    decoder.cpu_linears = panels
+            packed.add(linear, linear.weight)
+    packed.add("lm_head", head)
+    decoder.cpu_linears = packed

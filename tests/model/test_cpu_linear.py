@@ -1,6 +1,7 @@
-"""The few-row CPU linears from packed panels (model/cpu_linear.py, csrc/small_gemm.c) against F.linear, on odd
-shapes; and the engine's greedy tokens with and without them (tiny models; transformers' tokens are checked with
-them on in test_generate.py, where every CPU decoder loads packed)."""
+"""The CPU linears from packed weights (model/cpu_linear.py: MKL's packed GEMM, or column panels through
+csrc/small_gemm.c) against F.linear, on odd shapes and both weight layouts; and the engine's greedy tokens with and
+without them (tiny models; transformers' tokens are checked with them on in test_generate.py, where every CPU
+decoder loads packed)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from test_generate import _llm, _prompts
 
 from pdserve import SamplingParams
-from pdserve.model.cpu_linear import MAX_ROWS, MIN_ROWS, PanelLinears, pack
+from pdserve.model.cpu_linear import MIN_ROWS, PANEL_MAX_ROWS, PackedLinears, mkl_packed_gemm, pack
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
 
@@ -33,7 +34,7 @@ def test_kernel_equals_f_linear(lib: ctypes.CDLL, n: int, k: int, bias: bool) ->
     gen = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
-    panels = PanelLinears(lib)
+    panels = PackedLinears(lib)
     packed = pack(w, panels.width)
     for m in (1, 2, 7, 8, 9, 16, 20):  # every row count the kernel takes, and past one pass of MR rows
         wide = torch.randn(m, k + 5, generator=gen)
@@ -45,29 +46,60 @@ def test_kernel_equals_f_linear(lib: ctypes.CDLL, n: int, k: int, bias: bool) ->
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-def test_dispatch_by_rows(lib: ctypes.CDLL) -> None:
-    """Rows in [MIN_ROWS, MAX_ROWS] of a packed key go through the panels; others (or an unpacked key) are F.linear
-    exactly."""
+needs_mkl = pytest.mark.skipif(mkl_packed_gemm() is None, reason="this torch build has no MKL packed GEMM")
+
+
+@needs_mkl
+@pytest.mark.parametrize("n, k", [(5, 7), (33, 64), (100, 576)])
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_mkl_packed_equals_f_linear(n: int, k: int, layout: str, bias: bool) -> None:
+    """MKL's packed product equals F.linear for weights stored either way (the engine stores linears column-major)
+    and x read through a row stride, at every row count the engine gives it (decode rows to prefill chunks)."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    if layout == "column-major":
+        w = w.t().contiguous().t()
+    b = torch.randn(n, generator=gen) if bias else None
+    linears = PackedLinears(None, mkl_packed_gemm())
+    linears.add("w", w)
+    assert linears.backend == "mkl" and linears.nbytes == n * k * 4
+    for m in (2, 7, 16, 17, 64, 300):
+        x = torch.randn(m, k + 3, generator=gen)[:, 1 : 1 + k]
+        torch.testing.assert_close(linears.linear("w", x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@pytest.mark.parametrize("backend", ["mkl", "panels"])
+def test_dispatch_by_rows(lib: ctypes.CDLL, backend: str) -> None:
+    """Rows the backend takes (from MIN_ROWS; the panels up to PANEL_MAX_ROWS) of a packed key go through the packed
+    copy; others (or an unpacked key) are F.linear exactly."""
+    mkl = mkl_packed_gemm()
+    if backend == "mkl" and mkl is None:
+        pytest.skip("this torch build has no MKL packed GEMM")
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=gen)
-    panels = PanelLinears(lib)
-    panels.add("w", w)
-    assert panels.nbytes == 2 * 24 * panels.width * 4
-    for m in (1, MIN_ROWS, MAX_ROWS, MAX_ROWS + 1, 64):
+    linears = PackedLinears(lib, mkl if backend == "mkl" else None)
+    assert linears.backend == backend
+    linears.add("w", w)
+    if backend == "panels":
+        assert linears.nbytes == 2 * 24 * linears.width * 4
+    for m in (1, MIN_ROWS, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 64):
         x = torch.randn(m, 24, generator=gen)
-        y = panels.linear("w", x, w)
-        if MIN_ROWS <= m <= MAX_ROWS:
+        y = linears.linear("w", x, w)
+        assert linears.takes(m) == (m >= MIN_ROWS and (backend == "mkl" or m <= PANEL_MAX_ROWS))
+        if linears.takes(m):
             torch.testing.assert_close(y, F.linear(x, w))
         else:
             assert torch.equal(y, F.linear(x, w))
-        assert torch.equal(panels.linear("other", x, w), F.linear(x, w))
+        assert torch.equal(linears.linear("other", x, w), F.linear(x, w))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_engine_tokens_with_and_without_panels(
     family: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Batched greedy decode: the same tokens with the packed linears as with F.linear, and the panels were used."""
+    """Batched greedy decode: the same tokens with the packed linears as with F.linear, and the packed copies were
+    used (for the prefill's rows too where MKL packs)."""
     prompts = _prompts([3, 17, 30, 9, 12, 5], seed=11)
     params = SamplingParams.greedy(16)
     packed_llm = _llm(tiny_model_dirs[family], block_size=4)
@@ -81,7 +113,8 @@ def test_engine_tokens_with_and_without_panels(
 
     monkeypatch.setattr(panels, "linear", counting)
     with_panels = [o.token_ids for o in packed_llm.generate(prompts, params)]
-    assert any(MIN_ROWS <= m <= MAX_ROWS for m in calls)
+    assert any(panels.takes(m) and m <= 6 for m in calls)  # the batched decode steps
+    assert panels.backend != "mkl" or any(panels.takes(m) and m > PANEL_MAX_ROWS for m in calls)  # the prefill
     plain_llm = _llm(tiny_model_dirs[family], block_size=4)
     plain_llm.engine.runner.decoder.cpu_linears = None
     assert with_panels == [o.token_ids for o in plain_llm.generate(prompts, params)]
