@@ -6,12 +6,13 @@ doubles the weight traffic the step is bound by; at prefill sizes it is a repack
 layer. MKL exports the packing as its own API (cblas_sgemm_pack / cblas_sgemm_compute; libtorch_cpu links MKL
 statically and exports them), so a weight can be packed once and used for any row count. Measured over 30 layers
 of the built-in model's linear shapes streamed from memory (column-major weights as the engine stores them, 2
-threads; scripts/bench_cpu_linear.py), F.linear vs packed: 8 rows 31.9 vs 22.5 ms, 16 rows 38.3 vs 26.6, 64 rows
-54.5 vs 46.2, 512 rows 301.7 vs 275.5, 2048 rows 1080.8 vs 1075.2; at one row F.linear's GEMV reads the weight
-once already and keeps it (MIN_ROWS). The packed result equals F.linear's bit for bit from 17 rows up (measured;
-MKL picks the same kernel) and differs in the last bits below (as MKL's own 1-row and 8-row results do), never in
-the tokens (tests/model/test_cpu_linear.py). The column panels of small_gemm.c were the first answer to the same
-problem (8 rows 24.2 ms, 16 rows 30.7, slower than F.linear from 24 rows), kept for torch builds without MKL.
+threads, interleaved; `scripts/bench_cpu_linear.py`, docs/results/cpu/cpu_linear_mkl.json), F.linear vs packed:
+2 rows 22.1 vs 17.8 ms, 8 rows 34.4 vs 24.1, 64 rows 54.5 vs 47.5, 512 rows 290.6 vs 270.3, 2048 rows 1120 vs
+1134 (a tie); at one row F.linear's GEMV reads the weight once already and keeps it (MIN_ROWS). The packed result
+equals F.linear's bit for bit from 17 rows up (measured on row-major weights; MKL picks the same kernel) and
+differs in the last bits below (as MKL's own 1-row and 8-row results do), never in the tokens
+(tests/model/test_cpu_linear.py). The column panels of small_gemm.c were the first answer to the same problem
+(same run: 8 rows 24.5 ms, 16 rows 29.7, no faster than F.linear from 32 rows), kept for torch builds without MKL.
 
 The packed copy costs one more copy of every linear weight resident (MKL's buffer size is larger, but the pages
 it never writes are never touched: RSS grew 7.1 MB per 7.1 MB weight); models whose linear weights exceed
@@ -35,9 +36,9 @@ MIN_ROWS = 2  # fewer rows: F.linear (MKL's one-row GEMV already reads the weigh
 PANEL_MAX_ROWS = 16  # the column panels' range ends here (F.linear measured faster from 24 rows)
 PACK_MAX_BYTES = 4 * 2**30  # linear weights beyond this are not duplicated (memory over a few ms per step)
 # The row count MKL packs for: its packed layout depends on it (the size does not). Measured over the 30 layers
-# (scripts/bench_cpu_linear.py --hints): packed for 512 rows, the product runs 8 rows 25.1 ms, 64 rows 49.1, 512
-# rows 301.6, 2048 rows 1218.5; packed for 16 rows 24.6 / 70.3 / 388.6 / 1522.8; for 1 row 39.2 ms at 8 rows
-# and 448.2 at 512 (slower than F.linear). One copy packed for 512 serves every row count.
+# (`scripts/bench_cpu_linear.py --hints 1,16,512 --rows 8,64,512,2048`), ms at 8 / 64 / 512 / 2048 rows: packed for
+# 512 rows 23.1 / 49.5 / 289.4 / 1156; for 16 rows 24.0 / 64.4 / 357.3 / 1395; for 1 row 39.5 / 59.6 / 315.8 /
+# 1169. One copy packed for 512 serves every row count.
 PACK_ROWS_HINT = 512
 
 # CBLAS constants (mkl_cblas.h)
@@ -95,11 +96,13 @@ class PackedLinears:
         self.lib = lib
         if mkl is None and lib is None:
             raise ValueError("neither MKL's packed GEMM nor the kernel library is available")
-        self.backend = "mkl" if mkl is not None else "panels"
         self.width = 0 if lib is None else int(lib.pdserve_linear_panel_width())
-        self.max_rows = None if mkl is not None else PANEL_MAX_ROWS  # None: every row count from MIN_ROWS
         self.packed: dict[nn.Module | str, tuple[torch.Tensor, int, int]] = {}  # key -> (packed, N, K)
         self.nbytes = 0  # resident bytes of the packed copies (a weight's own size for MKL: see the module doc)
+
+    @property
+    def backend(self) -> str:
+        return "mkl" if self.mkl is not None else "panels"
 
     def add(self, key: nn.Module | str, weight: torch.Tensor) -> None:
         weight = weight.detach()
@@ -114,7 +117,7 @@ class PackedLinears:
 
     def takes(self, rows: int) -> bool:
         """Whether a step of `rows` rows runs from the packed copies (else F.linear)."""
-        return rows >= MIN_ROWS and (self.max_rows is None or rows <= self.max_rows)
+        return rows >= MIN_ROWS and (self.mkl is not None or rows <= PANEL_MAX_ROWS)
 
     def linear(
         self, key: nn.Module | str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
