@@ -19,9 +19,10 @@ class Call:
     """One client request as the router handles it."""
 
     path: str  # /v1/completions or /v1/chat/completions
-    body: dict[str, Any]  # the client's JSON body, untouched
+    body: dict[str, Any]  # the client's JSON body, untouched (validated by openai_request.parse_request)
     request_id: str  # sent to both legs as X-Request-Id
     http: Request  # the client's request, watched for a disconnect
+    is_stream: bool  # the body's `stream`, as the instances read it (parsed, so `"false"` never counts as true)
     prefill_url: str | None = None  # chosen instances, for the log line
     decode_url: str | None = None  # the decode instance; in colocated mode the instance that ran it whole
     is_whole: bool = False  # sent to one instance without a prefill leg (colocated, or a short prompt)
@@ -29,10 +30,6 @@ class Call:
 
     def __post_init__(self) -> None:
         self.headers = {REQUEST_ID_HEADER: self.request_id}
-
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.body.get("stream"))
 
 
 def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.openai_request import CHAT_PATH, COMPLETIONS_PATH, parse_request
 from pdserve.router.call import Call
 from pdserve.router.health import HealthMonitor
 from pdserve.router.orchestrate import Orchestrator
@@ -143,7 +144,13 @@ def build_app(config: RouterConfig) -> FastAPI:
             return error_response(400, f"invalid request: body is not JSON: {type(e).__name__}: {e}")
         if not isinstance(body, dict):
             return error_response(400, "invalid request: body must be a JSON object")
-        call = Call(path, body, client_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex, request)
+        try:  # what every instance would refuse is refused here, before a prefill leg spends any work on it
+            parsed = parse_request(path, body)
+        except ValueError as e:
+            log.info("POST %s refused with 400: %s", path, e)
+            return error_response(400, str(e))
+        request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
+        call = Call(path, body, request_id, request, parsed.stream)
         status = 200
         try:
             return await orchestrator.handle(call)
@@ -169,13 +176,13 @@ def build_app(config: RouterConfig) -> FastAPI:
                 time.perf_counter() - started,
             )
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions(request: Request) -> Response:
-        return await relay("/v1/completions", request)
+        return await relay(COMPLETIONS_PATH, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> Response:
-        return await relay("/v1/chat/completions", request)
+        return await relay(CHAT_PATH, request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -26,23 +26,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.auth import AuthError
 from pdserve.engine.client import AddRequest, EngineClient, ReleaseRequest
+from pdserve.openai_request import ChatCompletionRequest, CompletionRequest, SamplingFields, describe
 from pdserve.server import metrics
 from pdserve.server.prepare import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     chat_prompt_ids,
-    check_supported,
     completion_prompt_ids,
     sampling_params,
 )
-from pdserve.server.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    KVReleaseRequest,
-    ModelCard,
-    ModelList,
-    SamplingFields,
-)
+from pdserve.server.protocol import ApiError, KVReleaseRequest, ModelCard, ModelList
 from pdserve.server.render import Kind, Renderer
 from pdserve.server.state import RETRY_AFTER_S, Limits, ServerState
 from pdserve.server.streams import RequestRun
@@ -62,14 +54,12 @@ log = logging.getLogger(__name__)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors:
         if err.get("type") == "json_invalid":
             where = err.get("loc", ("body", "?"))[-1]
             return f"invalid request: body is not valid JSON ({err.get('ctx', {}).get('error', 'error')} at {where})"
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return "invalid request: " + "; ".join(parts)
+    return describe(errors)
 
 
 def build_app(
@@ -176,7 +166,6 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_ready()
         model = state.resolve_model(body.model)
-        check_supported(body)
         prompt_ids = await run_in_threadpool(completion_prompt_ids, body, engine.tokenizer)  # off the event loop
         return await _answer(state, "completion", body, model, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS, request)
 
@@ -184,7 +173,6 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_ready()
         model = state.resolve_model(body.model)
-        check_supported(body)
         prompt_ids = await run_in_threadpool(chat_prompt_ids, body, engine.tokenizer)  # templating: off the loop
         return await _answer(state, "chat", body, model, prompt_ids, None, request)
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.openai_request import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.server.protocol import ApiError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -28,9 +29,7 @@ def completion_prompt_ids(body: CompletionRequest, tokenizer: Any | None) -> lis
         except Exception as e:  # e.g. a lone surrogate ("\ud800") the tokenizer cannot encode
             raise ApiError(400, f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
     else:
-        ids = list(prompt)
-        if any(i < 0 for i in ids):
-            raise ApiError(400, "prompt token ids must be >= 0")
+        ids = list(prompt)  # integers >= 0 (openai_request.py); the engine checks them against the vocabulary
     if not ids:
         raise ApiError(400, "prompt is empty")
     return ids
@@ -43,25 +42,10 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any | None) -> list[
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         return tokenizer.apply_chat_template(messages)
-    except ValueError as e:  # no chat template, or non-text content
+    except ValueError as e:  # no chat template
         raise ApiError(400, str(e)) from e
     except Exception as e:  # a template that raises on these messages (jinja's own exceptions)
         raise ApiError(400, f"chat template failed on these messages: {e}") from e
-
-
-def check_supported(body: SamplingFields) -> None:
-    """Refuse OpenAI options pdserve does not implement, rather than silently ignoring them."""
-    if body.n != 1:
-        raise ApiError(400, f"n must be 1, got {body.n}")
-    if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise ApiError(400, "echo is not supported")
-        if body.logprobs is not None:
-            raise ApiError(400, "logprobs is not supported")
-        if body.best_of not in (None, 1):
-            raise ApiError(400, f"best_of must be 1, got {body.best_of}")
-    if isinstance(body, ChatCompletionRequest) and body.logprobs:
-        raise ApiError(400, "logprobs is not supported")
 
 
 def sampling_params(
@@ -79,7 +63,7 @@ def sampling_params(
             " (at least one token must be left for the output)",
         )
     room = max_model_len - num_prompt_tokens
-    requested = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    requested = body.requested_max_tokens
     if requested is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif requested > room:
