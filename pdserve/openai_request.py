@@ -29,6 +29,7 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -169,9 +170,9 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    # a string, a token-id list, or a one-element list of either (several prompts per request are refused)
+    # a string or token ids; a one-element list of either is unwrapped (several prompts are refused)
     prompt: Annotated[
-        StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]],
+        StrictStr | list[TokenId],
         _one_of("a string, a list of token ids (integers >= 0), or a list holding one of either"),
     ]
 
@@ -180,6 +181,23 @@ class CompletionRequest(SamplingFields):
     def _completion_only(cls, data: Any) -> Any:
         _refuse_unsupported(data, UNSUPPORTED_COMPLETION)
         return data
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """A list holding one prompt (text or ids) is that prompt; several prompts per request are refused."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise PydanticCustomError("one_prompt", "one prompt per request is served, got {n}", {"n": len(prompt)})
+            return prompt[0]
+        return prompt
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str | list[int]) -> str | list[int]:
+        if isinstance(prompt, list) and not prompt:  # text may still tokenize to a BOS: the instance decides
+            raise PydanticCustomError("empty", "prompt is empty")
+        return prompt
 
 
 class ChatContentPart(BaseModel):

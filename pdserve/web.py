@@ -68,6 +68,16 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
+def json_content_type_error(content_type: str | None) -> str | None:
+    """Why a body sent with this Content-Type is not read as JSON, or None when it is. FastAPI's rule, which
+    the router follows too: application/json or application/*+json, and the header is required (curl -d
+    without -H sends a form)."""
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return None
+    return f"invalid request: Content-Type must be application/json, got {content_type or 'none'!r}"
+
+
 def client_request_id(header: str | None) -> str | None:
     """The client's X-Request-Id as we log and echo it: printable ASCII, at most MAX_REQUEST_ID_CHARS."""
     if not header:

@@ -34,6 +34,7 @@ from pdserve.web import (
     ClientDisconnected,
     client_request_id,
     error_response,
+    json_content_type_error,
     protect,
 )
 
@@ -138,6 +139,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def relay(path: str, request: Request) -> Response:
         orchestrator = holder["orchestrator"]
         started = time.perf_counter()
+        wrong_type = json_content_type_error(request.headers.get("content-type"))
+        if wrong_type is not None:  # the instances would refuse it: see web.py
+            return error_response(400, wrong_type)
         try:
             body = json.loads(await request.body())
         except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json can parse

@@ -47,14 +47,20 @@ from pdserve.web import (
     ClientDisconnected,
     client_request_id,
     error_response,
+    json_content_type_error,
     protect,
 )
 
 log = logging.getLogger(__name__)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def _validation_message(exc: RequestValidationError, content_type: str | None) -> str:
+    wrong_type = json_content_type_error(content_type)
+    if wrong_type is not None:  # FastAPI did not parse the body: what pydantic says of the raw bytes is noise
+        return wrong_type
     errors = exc.errors()
+    if any(err.get("loc") == ("body",) and err.get("type") == "model_attributes_type" for err in errors):
+        return "invalid request: body must be a JSON object"
     for err in errors:
         if err.get("type") == "json_invalid":
             where = err.get("loc", ("body", "?"))[-1]
@@ -101,7 +107,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        message = _validation_message(exc)
+        message = _validation_message(exc, request.headers.get("content-type"))
         log.info("%s %s refused with 400: %s", request.method, request.url.path, message)
         return error_response(400, message)
 

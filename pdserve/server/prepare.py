@@ -15,21 +15,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def completion_prompt_ids(body: CompletionRequest, tokenizer: Any | None) -> list[int]:
-    """Token ids of the one prompt of a completion request (a string, ids, or a list holding one of them)."""
-    prompt: Any = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise ApiError(400, f"one prompt per request is served, got {len(prompt)}")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer (dummy weights): send the prompt as token ids")
-        try:
-            ids = tokenizer.encode(prompt)
-        except Exception as e:  # e.g. a lone surrogate ("\ud800") the tokenizer cannot encode
-            raise ApiError(400, f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
-    else:
-        ids = list(prompt)  # integers >= 0 (openai_request.py); the engine checks them against the vocabulary
+    """Token ids of the one prompt of a completion request (text is tokenized here)."""
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        return list(prompt)  # not empty, integers >= 0 (openai_request.py); the engine checks the vocabulary
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer (dummy weights): send the prompt as token ids")
+    try:
+        ids = tokenizer.encode(prompt)
+    except Exception as e:  # e.g. a lone surrogate ("\ud800") the tokenizer cannot encode
+        raise ApiError(400, f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
     if not ids:
         raise ApiError(400, "prompt is empty")
     return ids

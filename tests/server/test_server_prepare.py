@@ -31,18 +31,15 @@ def test_prompt_forms(tokenizer: Tokenizer) -> None:
         assert completion_prompt_ids(completion(prompt=prompt), tokenizer) == ids
 
 
-@pytest.mark.parametrize(
-    "prompt, words",
-    [
-        (["a", "b"], "one prompt"),
-        ([[1], [2]], "one prompt"),
-        ([], "empty"),
-        ("a\ud800", "tokenized"),
-    ],
-)
-def test_bad_prompts(tokenizer: Tokenizer, prompt: Any, words: str) -> None:
-    with pytest.raises(ApiError, match=words) as e:
-        completion_prompt_ids(completion(prompt=prompt), tokenizer)
+@pytest.mark.parametrize("prompt, words", [(["a", "b"], "one prompt"), ([[1], [2]], "one prompt"), ([], "empty")])
+def test_bad_prompts_fail_validation(prompt: Any, words: str) -> None:
+    with pytest.raises(ValidationError, match=words):
+        completion(prompt=prompt)
+
+
+def test_untokenizable_prompt(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ApiError, match="tokenized") as e:
+        completion_prompt_ids(completion(prompt="a\ud800"), tokenizer)
     assert e.value.status == 400
 
 
