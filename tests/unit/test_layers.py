@@ -68,6 +68,7 @@ PURE = [
 NO_TORCH = [
     "pdserve.engine.client",
     "pdserve.web",
+    "pdserve.openai_request",
     "pdserve.server.api",
     "pdserve.server.state",
     "pdserve.server.streams",
