@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.arg_types import non_negative_float, non_negative_int, positive_float, positive_int, rate, unit_interval
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.dataset import random_requests
 from pdserve.bench.metrics import calculate_metrics, format_summary, parse_goodput
@@ -30,23 +31,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer for prompts (default: --model; smollm2-135m is built in)"
     )
-    parser.add_argument("--num-prompts", type=int, default=100, help="requests to send (after warm-ups)")
+    parser.add_argument("--num-prompts", type=positive_int, default=100, help="requests to send (after warm-ups)")
     parser.add_argument(
-        "--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals; inf = all at once"
-    )
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    parser.add_argument(
-        "--input-len", "--random-input-len", dest="input_len", type=int, default=1024, help="prompt tokens per request"
+        "--request-rate", type=rate, default=math.inf, help="requests/s, Poisson arrivals; inf = all at once"
     )
     parser.add_argument(
-        "--output-len", "--random-output-len", dest="output_len", type=int, default=128, help="max_tokens per request"
+        "--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson"
+    )
+    parser.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
+    parser.add_argument(
+        "--input-len",
+        "--random-input-len",
+        dest="input_len",
+        type=positive_int,
+        default=1024,
+        help="prompt tokens per request",
     )
     parser.add_argument(
-        "--random-range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]"
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=positive_int,
+        default=128,
+        help="max_tokens per request",
+    )
+    parser.add_argument(
+        "--random-range-ratio", type=unit_interval, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent with each request")
+    parser.add_argument(
+        "--temperature", type=non_negative_float, default=0.0, help="sampling temperature sent with each request"
+    )
     parser.add_argument(
         "--no-return-token-ids",
         dest="return_token_ids",
@@ -56,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
     parser.add_argument(
         "--num-warmups",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="untimed requests sent first, excluded from every figure (per-quarter medians included)",
     )
@@ -67,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-filename", default=None, help="result file name (default: derived from the run)")
     parser.add_argument("--label", default="pdserve", help="prefix of the default result file name")
     parser.add_argument("--request-id-prefix", default=None, help="X-Request-Id prefix (default bench<seed>)")
-    parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per request")
+    parser.add_argument("--timeout", type=positive_float, default=6 * 3600.0, help="seconds per request")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 

@@ -11,16 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pdserve.arg_types import comma_list, non_negative_int, percent, positive_float, positive_int, rate, unit_interval
 from pdserve.bench.deploy import ServerOptions
 from pdserve.bench.sweep import DEFAULT_MODES, MODES, Endpoints, Sweep, SweepConfig, summary_table
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -41,13 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instances as 1P1D uses devices (two; with --prefill-gpu/--decode-gpu one on each GPU, same server flags "
         "otherwise) behind `pdserve proxy --mode colocated`",
     )
-    parser.add_argument("--qps", type=_floats, default=(1.0,), help="comma-separated request rates; inf allowed")
-    parser.add_argument("--input-lens", type=_ints, default=(512,), help="comma-separated prompt lengths")
-    parser.add_argument("--output-lens", type=_ints, default=(64,), help="comma-separated output lengths")
-    parser.add_argument("--iterations", type=int, default=1, help="runs per grid point")
+    parser.add_argument(
+        "--qps", type=comma_list(rate), default=(1.0,), help="comma-separated request rates; inf allowed"
+    )
+    parser.add_argument(
+        "--input-lens", type=comma_list(positive_int), default=(512,), help="comma-separated prompt lengths"
+    )
+    parser.add_argument(
+        "--output-lens", type=comma_list(positive_int), default=(64,), help="comma-separated output lengths"
+    )
+    parser.add_argument("--iterations", type=positive_int, default=1, help="runs per grid point")
     parser.add_argument(
         "--num-prompts",
-        type=int,
+        type=positive_int,
         default=20,
         help="requests per run; for steady state use hundreds (each result JSON and the summary table give TTFT's "
         "median per quarter of the run by arrival, and its drift = last quarter / first quarter)",
@@ -64,15 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer for prompts (default: the model)")
     parser.add_argument("--endpoint", default="/v1/completions", help="API path to load")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     parser.add_argument(
-        "--random-range-ratio", type=float, default=0.0, help="spread of prompt/output lengths around the value"
+        "--random-range-ratio", type=unit_interval, default=0.0, help="spread of prompt/output lengths around the value"
     )
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
     parser.add_argument(
         "--num-warmups",
-        type=int,
+        type=non_negative_int,
         default=2,
         help="warm-up requests per deployment, sent all at once before its first point; excluded from every "
         "result and figure (medians, per-quarter medians, drift, plots)",
@@ -84,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run every mode's deployment at once and alternate modes point by point (fairer on a busy machine)",
     )
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--startup-timeout", type=positive_float, default=600.0, help="seconds to wait for /health")
     good = parser.add_argument_group("goodput: requests served within latency targets")
     good.add_argument(
         "--goodput",
@@ -106,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     good.add_argument(
         "--goodput-threshold",
-        type=float,
+        type=percent,
         default=90.0,
         metavar="PERCENT",
         help="SLO attainment (percent of requests) a rate needs to count as sustained (default 90)",
@@ -114,9 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("servers started by the sweep (passed to `pdserve serve`)")
     server.add_argument("--dtype", default=None, help="server --dtype")
     server.add_argument("--load-format", default=None, help="server --load-format (dummy: random weights)")
-    server.add_argument("--block-size", type=int, default=None, help="server --block-size")
-    server.add_argument("--num-threads", type=int, default=None, help="torch threads per server")
-    server.add_argument("--max-model-len", type=int, default=None, help="server --max-model-len")
+    server.add_argument("--block-size", type=positive_int, default=None, help="server --block-size")
+    server.add_argument("--num-threads", type=positive_int, default=None, help="torch threads per server")
+    server.add_argument("--max-model-len", type=positive_int, default=None, help="server --max-model-len")
     server.add_argument("--device", default=None, help="cpu or cuda")
     server.add_argument(
         "--prefill-gpu",

@@ -62,6 +62,7 @@ class AsyncEngine:
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
             num_blocks=engine.num_blocks,
+            block_size=self.config.cache.block_size,
             kv_transfer_info=engine.kv_scheduler.info(),  # before the loop starts: fixed from now on
         )
         self._publish_stats(engine)

@@ -67,6 +67,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     num_blocks: int  # KV cache blocks of this instance
+    block_size: int  # tokens per KV block
     kv_transfer_info: dict[str, Any]  # GET /kv_transfer/info (engine id, side channel, block size, mode...)
 
 

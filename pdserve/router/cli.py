@@ -8,6 +8,7 @@ import contextlib
 import logging
 import sys
 
+from pdserve.arg_types import port, positive_float, positive_int
 from pdserve.router.policy import MODES, POLICIES
 
 
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--colocate-below",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="pull and push: selective disaggregation; a request whose prompt is estimated below N tokens goes to a "
@@ -45,30 +46,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
-        "--port", type=int, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
+        "--port", type=port, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
     )
     p.add_argument(
         "--policy", choices=POLICIES, default="least-loaded", help="instance choice per leg (default least-loaded)"
     )
     p.add_argument(
-        "--connect-timeout-s", type=float, default=10.0, help="seconds to open a connection to a backend (default 10)"
+        "--connect-timeout-s",
+        type=positive_float,
+        default=10.0,
+        help="seconds to open a connection to a backend (default 10)",
     )
     p.add_argument(
         "--health-timeout-s",
-        type=float,
+        type=positive_float,
         default=5.0,
         help="seconds for a backend's /health or /kv_transfer/info to answer (default 5)",
     )
     p.add_argument(
         "--health-interval-s",
-        type=float,
+        type=positive_float,
         default=2.0,
         help="poll every instance's /health this often; an instance that fails is routed around until it "
         "answers again, and one that restarted (new epoch) has its cached coordinates dropped (default 2)",
     )
     p.add_argument(
         "--max-body-mb",
-        type=float,
+        type=positive_float,
         default=32.0,
         help="refuse request bodies larger than this many MiB with HTTP 413 (default 32)",
     )

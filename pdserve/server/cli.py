@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from pdserve.arg_types import non_negative_int, port, positive_float, positive_int
 from pdserve.config import (
     CacheConfig,
     ConfigError,
@@ -41,27 +42,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     g.add_argument(
-        "--port", type=int, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
+        "--port", type=port, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
     )
     g.add_argument(
         "--served-model-name", nargs="+", default=None, help="name(s) clients use in `model` (default: MODEL)"
     )
     g.add_argument(
         "--max-body-mb",
-        type=float,
+        type=positive_float,
         default=32.0,
         help="refuse request bodies larger than this many MiB with HTTP 413 (default 32)",
     )
     g.add_argument(
         "--max-inflight-requests",
-        type=int,
+        type=non_negative_int,
         default=1024,
         help="requests this instance holds at once (running, queued or streaming); past it new requests get "
         "HTTP 503 with Retry-After (default 1024; 0 = no limit)",
     )
     g.add_argument(
         "--max-queue-wait-s",
-        type=float,
+        type=positive_float,
         default=None,
         help="a request that has not produced its first token after this many seconds is aborted and "
         "answered 503 with Retry-After (default: no deadline)",
@@ -80,11 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="dummy = random weights for a preset shape"
     )
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)")
+    g.add_argument(
+        "--max-model-len", type=positive_int, default=None, help="context length (default: the model's, <= 8192)"
+    )
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights (default 0)")
     g.add_argument(
         "--num-threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch intra-op threads on the CPU, per rank (default: all cores for --kv-role both, half for "
         "prefill/decode; divided among tensor-parallel ranks)",
@@ -97,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tensor-parallel-size",
         "-tp",
-        type=int,
+        type=positive_int,
         default=1,
         help="split the model over this many ranks, one process each (rank 0 serves HTTP and schedules; the "
         "others are spawned and joined at shutdown); gloo on the CPU, NCCL on CUDA (rank r uses GPU r; every rank "
@@ -107,10 +110,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
     g = p.add_argument_group("KV cache and scheduler")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gib)")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
     g.add_argument(
-        "--kv-cache-memory-gib", type=float, default=1.0, help="memory for the KV cache when --num-gpu-blocks is unset"
+        "--num-gpu-blocks", type=positive_int, default=None, help="KV blocks (default: from --kv-cache-memory-gib)"
+    )
+    g.add_argument(
+        "--kv-cache-memory-gib",
+        type=positive_float,
+        default=1.0,
+        help="memory for the KV cache when --num-gpu-blocks is unset",
     )
     g.add_argument(
         "--enable-prefix-caching",
@@ -118,9 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse KV blocks of identical prompt prefixes (default on; --no-enable-prefix-caching turns it off)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests running at once (default 64)")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step (default 2048)"
+        "--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per engine step (default 2048)"
     )
     add_transfer_arguments(p)
 
@@ -133,8 +141,6 @@ def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> Engine
         num_threads = args.num_threads
     else:
         num_threads = max(1, default_num_threads(transfer_config.role) // max(tp, 1))
-    if num_threads < 1:
-        raise ConfigError(f"--num-threads must be >= 1, got {num_threads}")
     return EngineConfig(
         model=ModelConfig(
             model=args.model,

@@ -13,7 +13,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.client import EngineClient
+from pdserve.config import ConfigError
+from pdserve.engine.client import EngineClient, EngineInfo
 from pdserve.server.protocol import ApiError
 from pdserve.transfer.capability import KVAuth
 
@@ -34,6 +35,18 @@ class Limits:
             raise ValueError(f"max_inflight_requests must be >= 0, got {self.max_inflight_requests}")
         if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
             raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
+
+
+def check_capacity(info: EngineInfo) -> None:
+    """Refuse to serve with a KV cache smaller than max_model_len tokens: the API accepts requests of up to
+    max_model_len tokens, and such a request would need more blocks than there are."""
+    num_tokens = info.num_blocks * info.block_size
+    if num_tokens < info.max_model_len:
+        raise ConfigError(
+            f"the KV cache holds {num_tokens} tokens ({info.num_blocks} blocks of {info.block_size}), fewer than "
+            f"max_model_len {info.max_model_len}: raise --num-gpu-blocks or --kv-cache-memory-gib, or lower "
+            "--max-model-len"
+        )
 
 
 class ServerState:
@@ -66,6 +79,7 @@ class ServerState:
         try:
             self.engine.start()
             info = self.engine.info
+            check_capacity(info)
             log.info("engine ready: model %s, max_model_len %d", info.model_name, info.max_model_len)
         except BaseException as e:
             self.start_error = e

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.arg_types import port, positive_float
 from pdserve.auth import load_secret
 from pdserve.config import TransferConfig
 from pdserve.server.kv_transfer_config import parse_kv_transfer_config
@@ -24,33 +25,39 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-side-channel-host", default=None, help="address peers reach the handshake side channel at (127.0.0.1)"
     )
-    g.add_argument("--kv-side-channel-port", type=int, default=None, help="handshake side-channel port (5600)")
+    g.add_argument("--kv-side-channel-port", type=port, default=None, help="handshake side-channel port (5600)")
     g.add_argument(
         "--kv-buffer-device", choices=["device", "cpu"], default=None, help="where transferred KV lives (device)"
     )
     g.add_argument(
-        "--kv-lease-s", type=float, default=None, help="P frees KV nobody consumed after this many seconds (30)"
+        "--kv-lease-s",
+        type=positive_float,
+        default=None,
+        help="P frees KV nobody consumed after this many seconds (30)",
     )
     g.add_argument(
         "--push-registration-timeout-s",
-        type=float,
+        type=positive_float,
         default=None,
         help="push: P drops a registration for a prefill it has not been asked for after this many seconds (30; "
         "a prefill P has queued or running keeps its registration)",
     )
     g.add_argument(
         "--kv-recv-timeout-s",
-        type=float,
+        type=positive_float,
         default=None,
         help="D fails (or recomputes) a request whose KV has not arrived after this many seconds (60; in push mode "
         "counted from P's last notice that the prefill is queued or running)",
     )
     g.add_argument(
-        "--kv-heartbeat-s", type=float, default=None, help="ping peers this instance holds state for this often (1)"
+        "--kv-heartbeat-s",
+        type=positive_float,
+        default=None,
+        help="ping peers this instance holds state for this often (1)",
     )
     g.add_argument(
         "--kv-peer-timeout-s",
-        type=float,
+        type=positive_float,
         default=None,
         help="a peer silent this long is dead: its requests fail or recompute, its blocks are freed (4)",
     )
