@@ -243,3 +243,20 @@ def test_refusal_names_the_field(server: Proc) -> None:
             server.url + COMPLETIONS_PATH, content=content, headers={"content-type": "application/json"}, timeout=30
         )
         assert refusal_problem(resp) is None and name in resp.json()["error"]["message"], resp.text
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"top_k": 2**62},
+        {"seed": -(2**63), "temperature": 1e-300},
+        {"seed": 2**63 - 1, "top_p": 5e-324},
+        {"stop_token_ids": [2**64, 0]},
+        {"stop": ["x" * 10_000] * 8},
+        {"max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True},
+    ],
+)
+def test_extreme_valid_values_are_served(server: Proc, fields: dict[str, Any]) -> None:
+    resp = httpx.post(server.url + COMPLETIONS_PATH, json={"prompt": "hi", "max_tokens": 3, **fields}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert "error" not in resp.text
