@@ -5,7 +5,7 @@
  * 37.7 ms through F.linear, 28.4 ms here; at one row both are at the memory's speed). Here W is packed once at
  * load time (cpu_linear.pack) into P = ceil(N / NB) panels of [K, NB] floats, zero-padded past N, so each
  * thread streams its panels front to back exactly once and keeps MR x NB partial sums in registers (MR rows of
- * x, NB = 2 x 16 floats: 16 AVX-512 accumulators). Rows past MR re-read the panel from L2.
+ * x, NB floats: panel_fma.h sizes both to the registers). Rows past MR re-read the panel from L2.
  *
  * Summation runs over k in order with fused multiply-adds: the result differs from MKL's in the last bits
  * (as MKL's own 1-row and 8-row results do), not in the tokens (tests/model/test_cpu_linear.py).
