@@ -50,8 +50,8 @@ def paged_attention(
     cuda_attention.paged_attention_cuda (the same function: tiled flash prefill, a Triton decode kernel that
     starts at the window). On the CPU (float32, C compiler present) decode rows, windowed or not, take
     cpu_attention's in-place decode kernel, and prefill spans (whole prompts, later chunks, prefix hits) its
-    in-place prefill kernel when head_dim is a multiple of its panel width (csrc/paged_prefill.c: 1.76x
-    faster than torch's fused SDPA on a 512-token prompt); everything else takes the portable torch code below.
+    in-place prefill kernel when head_dim is a multiple of its panel width (csrc/paged_prefill.c, faster than
+    torch's fused SDPA: docs/benchmarks.md); everything else takes the portable torch code below.
     """
     if k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
         from pdserve.model.cuda_attention import paged_attention_cuda

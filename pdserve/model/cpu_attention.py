@@ -3,8 +3,8 @@ and prefill spans, whole prompts or after cached context (csrc/paged_prefill.c).
 
 attention.py serves decode rows with the decode kernel and prefill spans with the prefill kernel (when head_dim
 is a multiple of PANEL; else torch's fused SDPA). The prefill kernel computes the causal triangle only, with
-register-blocked products (csrc/panel_fma.h): 1.76x faster than SDPA on a 512-token prompt of the built-in
-model (scripts/bench_cpu_prefill.py).
+register-blocked products (csrc/panel_fma.h), faster than SDPA (scripts/bench_cpu_prefill.py; figures per
+machine in docs/benchmarks.md).
 
 The kernel is plain C with OpenMP, built with the system C compiler on first use (or ahead of time by `make
 install`: `python -m pdserve.model.cpu_attention`) into ~/.cache/pdserve/kernels/ (XDG_CACHE_HOME respected),
@@ -38,8 +38,8 @@ from pdserve.model.paged import DecodeBatch
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("paged_decode.c", "paged_prefill.c", "layer_ops.c", "small_gemm.c"))
 # included by the sources: part of the library's key
-HEADERS = tuple(_CSRC / name for name in ("fast_exp.h", "panel_fma.h"))
-ABI = 5  # pdserve_paged_decode_abi() of the sources this module (cpu_layer_ops.py, cpu_linear.py) calls
+HEADERS = tuple(_CSRC / name for name in ("fast_exp.h", "panel_fma.h", "online_softmax.h"))
+ABI = 6  # pdserve_paged_decode_abi() of the sources this module (cpu_layer_ops.py, cpu_linear.py) calls
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 PANEL = 32  # csrc/panel_fma.h's NB: the prefill kernel reads V rows NB floats at a time
 use_prefill_kernel = True  # False: prefill spans take torch's SDPA (scripts/bench_cpu_prefill.py compares)
@@ -98,7 +98,7 @@ def load(path: Path) -> ctypes.CDLL | None:
     fn.argtypes += [_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _f32p]
     fn.restype = None
     pf = lib.pdserve_paged_prefill_f32
-    pf.argtypes = [_f32p, _f32p, _f32p, _i64, _i64, _i64, _i64p, _i64, _i64, _i64, _i64, _i64, _i64, _i64]
+    pf.argtypes = [_f32p, _i64, _f32p, _f32p, _i64, _i64, _i64, _i64p, _i64, _i64, _i64, _i64, _i64, _i64, _i64]
     pf.argtypes += [ctypes.c_float, _f32p]
     pf.restype = None
     norm = lib.pdserve_add_rmsnorm_f32  # the layer's small ops: csrc/layer_ops.c, called by cpu_layer_ops.py
@@ -187,7 +187,7 @@ def paged_decode(
 
 def paged_prefill(
     lib: ctypes.CDLL,
-    q: torch.Tensor,  # [num_query, num_heads, head_dim] float32: one span's new tokens
+    q: torch.Tensor,  # [num_query, num_heads, head_dim] float32: one span's new tokens (a row-strided view too)
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided layer view)
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # [>= ceil(context_len / block_size)] int64
@@ -196,8 +196,10 @@ def paged_prefill(
     window: int | None,  # keys a query sees, itself included; None = whole context
 ) -> torch.Tensor:
     """Causal attention of one prefill span over its cached context, read in place: [num_query, num_heads,
-    head_dim] (see the C source)."""
-    q = q.contiguous()
+    head_dim] (see the C source). q is read in place when only its token stride is not the contiguous one, as in
+    a view of the qkv projection's output."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
     table = block_table.contiguous()
     num_query, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -205,6 +207,7 @@ def paged_prefill(
     block_stride, row_stride, head_stride, _ = k_cache.stride()
     lib.pdserve_paged_prefill_f32(
         q.data_ptr(),
+        q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_stride,

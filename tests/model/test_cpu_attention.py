@@ -142,3 +142,27 @@ def test_prefill_kernel_needs_whole_panels() -> None:
     """head_dim not a multiple of the kernel's panel width: prefill spans stay on SDPA."""
     assert not cpu_attention.prefill_fits(torch.zeros(3, 4, 80))
     assert cpu_attention.prefill_fits(torch.zeros(3, 4, 128))
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize(("h", "hkv"), [(6, 2), (4, 1)])
+def test_prefill_reads_q_through_its_row_stride(window: int | None, h: int, hkv: int) -> None:
+    """The prefill kernel reads q as the layer hands it over, in place: a view of the qkv projection's output,
+    tokens (h + 2 * hkv) * head_dim floats apart with K's and V's columns between. Its output equals the
+    portable path's on a contiguous copy (a kernel that ignored the stride would read K's columns as queries)."""
+    gen = torch.Generator().manual_seed(h + (window or 0))
+    bs, d, num_query, context_len = 16, 32, 45, 70  # a chunk after 25 cached tokens
+    kv = torch.randn(12, 1, 2, bs, hkv, d, generator=gen)
+    layer = kv[:, 0].transpose(0, 1)  # [2, nb, bs, hkv, d]
+    table = torch.randperm(12, generator=gen)[: -(-context_len // bs)]
+    qkv = torch.randn(num_query, (h + 2 * hkv) * d, generator=gen)
+    q = qkv[:, : h * d].view(num_query, h, d)
+    assert q.stride(0) == (h + 2 * hkv) * d
+    lib = cpu_attention.decode_kernel()
+    assert lib is not None
+    ours = cpu_attention.paged_prefill(lib, q, layer[0], layer[1], table, context_len, 0.3, window)
+    span = PrefillSpan(0, num_query, context_len, table)
+    ctx = AttentionContext(torch.zeros(num_query, dtype=torch.long), [span], None, bs)
+    portable = paged_attention(q.contiguous(), layer, ctx, 0.3, None, None, window, cpu_kernel=False)
+    torch.testing.assert_close(ours, portable)

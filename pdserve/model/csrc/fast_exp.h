@@ -1,4 +1,4 @@
-/* Shared by the CPU kernels' sources (layer_ops.c, paged_decode.c): a vectorizable exp. */
+/* Shared by the CPU kernels' sources (layer_ops.c, paged_decode.c, online_softmax.h): a vectorizable exp. */
 #ifndef PDSERVE_FAST_EXP_H
 #define PDSERVE_FAST_EXP_H
 #include <math.h>
@@ -8,11 +8,13 @@
  * 512-token prefill's SiLU takes 786k of them per layer): 2^n * e^r with |r| <= ln2 / 2, e^r a degree-6
  * polynomial (Cephes expf's coefficients), ~1 ulp. Above ln(FLT_MAX): +inf; below -86.5: 0 (the true value is
  * under 2.7e-38, and every caller adds it to 1). n is rounded with the 1.5 * 2^23 trick: floorf does not
- * vectorize without -ffast-math, and this file's float results must not depend on fast-math. */
-static inline float fast_expf(float x) {
-    const float hi = 88.72283905206835f, lo = -86.5f;
-    const int over = x > hi, under = x < lo;
-    x = x > hi ? hi : (x < lo ? lo : x);
+ * vectorize without -ffast-math, and this file's float results must not depend on fast-math. GCC 12 vectorizes
+ * the selects only with -fno-trapping-math (paged_prefill.c sets it; the values are the same either way). The
+ * softmax's x = s - max <= 0 takes fast_expf_no_overflow, two selects fewer. */
+static inline float fast_expf_no_overflow(float x) { /* fast_expf for x <= ln(FLT_MAX) (-inf included) */
+    const float lo = -86.5f;
+    const int under = x < lo;
+    x = x < lo ? lo : x;
     const float magic = 12582912.0f;                           /* 1.5 * 2^23: adding it rounds to an integer */
     const float n = (x * 1.44269504088896341f + magic) - magic; /* round(x / ln2), in [-125, 128] */
     float r = x - n * 0.693359375f; /* ln2 split in two: n * 0.693359375 is exact */
@@ -30,7 +32,12 @@ static inline float fast_expf(float x) {
     } scale;
     scale.i = ((int32_t)n + 126) << 23; /* 2^(n - 1), a normal float for n in [-125, 128] */
     const float y = p * scale.f * 2.0f;
-    return over ? INFINITY : (under ? 0.0f : y);
+    return under ? 0.0f : y;
+}
+
+static inline float fast_expf(float x) {
+    const float hi = 88.72283905206835f; /* ln(FLT_MAX) */
+    return x > hi ? INFINITY : fast_expf_no_overflow(x);
 }
 
 #endif

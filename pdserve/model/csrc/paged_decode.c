@@ -21,8 +21,9 @@
 #define PARALLEL_MIN (1 << 18) /* elements of K read per step: batch 1 at 512 tokens x 3 heads x 64 reads 2^16.6 */
 
 /* bump with any change to the signatures below, in paged_prefill.c, layer_ops.c or small_gemm.c (2: + prefill;
- * 3: + layer_ops.c; 4: + small_gemm.c; 5: prefill moved to paged_prefill.c, register-blocked) */
-int pdserve_paged_decode_abi(void) { return 5; }
+ * 3: + layer_ops.c; 4: + small_gemm.c; 5: prefill moved to paged_prefill.c, register-blocked; 6: prefill reads
+ * q through a row stride) */
+int pdserve_paged_decode_abi(void) { return 6; }
 
 void pdserve_paged_decode_f32(const float *q,          /* [B, num_heads, head_dim] contiguous */
                               const float *k, const float *v, /* cache bases (layer views) */

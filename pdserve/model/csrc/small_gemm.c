@@ -12,6 +12,7 @@
  */
 #pragma GCC optimize("fp-contract=fast") /* FMA contraction: -std=c99 turns it off */
 #pragma GCC target("prefer-vector-width=512")
+#include <stddef.h>
 #include <stdint.h>
 
 #include "panel_fma.h" /* NB, MR, panel_fma_rows */
