@@ -9,6 +9,10 @@
  * saves there, and far more on a loaded machine).
  */
 #pragma GCC target("prefer-vector-width=512") /* AVX-512 CPUs: full-width vectors (gcc's default is 256) */
+/* fast_expf's clamps are selects GCC (12) does not vectorize while a float comparison may trap ("control flow in
+ * loop"): SiLU-and-mul ran one exp at a time, 9.1 -> 2.4 ms at 512 x 1536 on one AVX2 core. The values are the
+ * same either way (only exception flags differ). */
+#pragma GCC optimize("no-trapping-math")
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
