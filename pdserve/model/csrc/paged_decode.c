@@ -11,6 +11,8 @@
  * step reads fewer than PARALLEL_MIN cached elements (a parallel region costs more than it saves there, and far
  * more on a loaded machine, where the barrier waits for a descheduled thread).
  */
+/* the softmax exps vectorized: see layer_ops.c (fast_expf's clamps stay scalar while comparisons may trap) */
+#pragma GCC optimize("no-trapping-math")
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
