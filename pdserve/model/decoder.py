@@ -40,7 +40,7 @@ from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable
 from pdserve.model.cpu_layer import forward_cpu
-from pdserve.model.cpu_linear import PACK_MAX_BYTES, PackedLinears, linear_bytes, mkl_packed_gemm
+from pdserve.model.cpu_linear import PACK_MAX_BYTES, PackedLinears, gemm_library, linear_bytes, mkl_packed_gemm
 from pdserve.model.decoder_layer import DecoderLayer, RMSNorm
 from pdserve.model.kv_groups import KVGroups
 from pdserve.model.paged import AttentionContext, layer_view
@@ -208,15 +208,17 @@ def use_column_major_linears(decoder: Decoder) -> None:
 @torch.no_grad()
 def pack_cpu_linears(decoder: Decoder) -> None:
     """Give a float32 CPU decoder packed copies of its layers' linear weights and of its LM head (cpu_linear.py says
-    why and what it measured); nothing when neither MKL's packed GEMM nor the kernel library is available, or the
+    why and what it measured, and which library packs on which CPU); nothing when no library can pack, or the
     weights are too large to duplicate (cpu_linear.PACK_MAX_BYTES)."""
     head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight
     if head.dtype != torch.float32 or head.device.type != "cpu":
         return
-    mkl, lib = mkl_packed_gemm(), cpu_attention.decode_kernel()
-    if (mkl is None and lib is None) or linear_bytes(decoder) + head.numel() * head.element_size() > PACK_MAX_BYTES:
+    library, lib = gemm_library(), cpu_attention.decode_kernel()
+    if (library == "panels" and lib is None) or linear_bytes(
+        decoder
+    ) + head.numel() * head.element_size() > PACK_MAX_BYTES:
         return
-    packed = PackedLinears(lib, mkl)
+    packed = PackedLinears(lib, mkl_packed_gemm() if library == "mkl" else None, onednn=library == "onednn")
     for layer in decoder.decoder_layers:
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             packed.add(linear, linear.weight)

@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from test_generate import _llm, _prompts
 
 from pdserve import SamplingParams
-from pdserve.model.cpu_linear import MIN_ROWS, PANEL_MAX_ROWS, PackedLinears, mkl_packed_gemm, pack
+from pdserve.model.cpu_linear import (
+    MIN_ROWS,
+    PANEL_MAX_ROWS,
+    PackedLinears,
+    gemm_library,
+    mkl_packed_gemm,
+    onednn_available,
+    pack,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
 
@@ -46,39 +54,56 @@ def test_kernel_equals_f_linear(lib: ctypes.CDLL, n: int, k: int, bias: bool) ->
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-needs_mkl = pytest.mark.skipif(mkl_packed_gemm() is None, reason="this torch build has no MKL packed GEMM")
+def _packer(backend: str) -> PackedLinears:
+    """A PackedLinears of the library `backend` names (mkl, onednn), skipping where this torch build lacks it."""
+    if backend == "mkl" and mkl_packed_gemm() is None:
+        pytest.skip("this torch build has no MKL packed GEMM")
+    if backend == "onednn" and not onednn_available():
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    return PackedLinears(None, mkl_packed_gemm(), onednn=backend == "onednn")
 
 
-@needs_mkl
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
 @pytest.mark.parametrize("n, k", [(5, 7), (33, 64), (100, 576)])
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_mkl_packed_equals_f_linear(n: int, k: int, layout: str, bias: bool) -> None:
-    """MKL's packed product equals F.linear for weights stored either way (the engine stores linears column-major)
-    and x read through a row stride, at every row count the engine gives it (decode rows to prefill chunks)."""
+def test_packed_equals_f_linear(backend: str, n: int, k: int, layout: str, bias: bool) -> None:
+    """The packed product (MKL's or oneDNN's) equals F.linear for weights stored either way (the engine stores
+    linears column-major) and x read through a row stride, at every row count the engine gives it (decode rows to
+    prefill chunks)."""
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen)
     if layout == "column-major":
         w = w.t().contiguous().t()
     b = torch.randn(n, generator=gen) if bias else None
-    linears = PackedLinears(None, mkl_packed_gemm())
+    linears = _packer(backend)
     linears.add("w", w)
-    assert linears.backend == "mkl" and linears.nbytes == n * k * 4
+    assert linears.backend == backend and linears.nbytes == n * k * 4
     for m in (2, 7, 16, 17, 64, 300):
         x = torch.randn(m, k + 3, generator=gen)[:, 1 : 1 + k]
         torch.testing.assert_close(linears.linear("w", x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("backend", ["mkl", "panels"])
+def test_gemm_library_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDSERVE_CPU_GEMM picks the library (falling back to one this build has); a name it does not know is an
+    error that lists the names; unset, the choice is one of them."""
+    assert gemm_library() in ("onednn", "mkl", "panels")
+    monkeypatch.setenv("PDSERVE_CPU_GEMM", "panels")
+    assert gemm_library() == "panels"
+    monkeypatch.setenv("PDSERVE_CPU_GEMM", "onednn")
+    assert gemm_library() == ("onednn" if onednn_available() else "mkl" if mkl_packed_gemm() else "panels")
+    monkeypatch.setenv("PDSERVE_CPU_GEMM", "blis")
+    with pytest.raises(ValueError, match="onednn, mkl, panels"):
+        gemm_library()
+
+
+@pytest.mark.parametrize("backend", ["mkl", "onednn", "panels"])
 def test_dispatch_by_rows(lib: ctypes.CDLL, backend: str) -> None:
     """Rows the backend takes (from MIN_ROWS; the panels up to PANEL_MAX_ROWS) of a packed key go through the packed
     copy; others (or an unpacked key) are F.linear exactly."""
-    mkl = mkl_packed_gemm()
-    if backend == "mkl" and mkl is None:
-        pytest.skip("this torch build has no MKL packed GEMM")
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=gen)
-    linears = PackedLinears(lib, mkl if backend == "mkl" else None)
+    linears = PackedLinears(lib) if backend == "panels" else _packer(backend)
     assert linears.backend == backend
     linears.add("w", w)
     if backend == "panels":
@@ -86,7 +111,7 @@ def test_dispatch_by_rows(lib: ctypes.CDLL, backend: str) -> None:
     for m in (1, MIN_ROWS, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 64):
         x = torch.randn(m, 24, generator=gen)
         y = linears.linear("w", x, w)
-        assert linears.takes(m) == (m >= MIN_ROWS and (backend == "mkl" or m <= PANEL_MAX_ROWS))
+        assert linears.takes(m) == (m >= MIN_ROWS and (backend != "panels" or m <= PANEL_MAX_ROWS))
         if linears.takes(m):
             torch.testing.assert_close(y, F.linear(x, w))
         else:
@@ -114,7 +139,7 @@ def test_engine_tokens_with_and_without_panels(
     monkeypatch.setattr(panels, "linear", counting)
     with_panels = [o.token_ids for o in packed_llm.generate(prompts, params)]
     assert any(panels.takes(m) and m <= 6 for m in calls)  # the batched decode steps
-    assert panels.backend != "mkl" or any(panels.takes(m) and m > PANEL_MAX_ROWS for m in calls)  # the prefill
+    assert panels.backend == "panels" or any(panels.takes(m) and m > PANEL_MAX_ROWS for m in calls)  # the prefill
     plain_llm = _llm(tiny_model_dirs[family], block_size=4)
     plain_llm.engine.runner.decoder.cpu_linears = None
     assert with_panels == [o.token_ids for o in plain_llm.generate(prompts, params)]
