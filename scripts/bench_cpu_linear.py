@@ -1,8 +1,8 @@
 """CPU linears: F.linear (column-major weights, as the engine stores them) vs the packed copies of
-model/cpu_linear.py (MKL's packed GEMM, and the column panels of csrc/small_gemm.c), over 30 layers of the built-in
-model's linear shapes streamed from memory (as a step reads them; one layer's weights alone would sit in cache), at
-rising row counts: decode batches up to prefill chunks. Each point is measured in interleaved rounds (every
-variant once per round) and the median of rounds is reported. Prints a table, writes JSON.
+model/cpu_linear.py (MKL's packed GEMM, oneDNN's prepacked linear, and the column panels of csrc/small_gemm.c),
+over 30 layers of the built-in model's linear shapes streamed from memory (as a step reads them; one layer's
+weights alone would sit in cache), at rising row counts: decode batches up to prefill chunks. Each point is
+measured in interleaved rounds (every variant once per round) and the median of rounds is reported. Prints a table, writes JSON.
 
     .venv/bin/python scripts/bench_cpu_linear.py [--threads 2] [--out /tmp/cpu_linear.json]
     .venv/bin/python scripts/bench_cpu_linear.py --hints 1,16,128,512,2048   # MKL's packing row hint instead
@@ -65,6 +65,8 @@ def main() -> None:
         variants["F.linear"] = None
         if mkl is not None:
             variants["mkl"] = packed_with(cpu_linear.PackedLinears(None, mkl))
+        if cpu_linear.onednn_available():
+            variants["onednn"] = packed_with(cpu_linear.PackedLinears(None, None, onednn=True))
         if lib is not None:
             variants["panels"] = packed_with(cpu_linear.PackedLinears(lib, None))
         if len(variants) == 1:
