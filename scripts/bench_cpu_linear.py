@@ -2,7 +2,8 @@
 model/cpu_linear.py (MKL's packed GEMM, oneDNN's prepacked linear, and the column panels of csrc/small_gemm.c),
 over 30 layers of the built-in model's linear shapes streamed from memory (as a step reads them; one layer's
 weights alone would sit in cache), at rising row counts: decode batches up to prefill chunks. Each point is
-measured in interleaved rounds (every variant once per round) and the median of rounds is reported. Prints a table, writes JSON.
+measured in interleaved rounds (every variant once per round) and the median of rounds is reported.
+Prints a table, writes JSON.
 
     .venv/bin/python scripts/bench_cpu_linear.py [--threads 2] [--out /tmp/cpu_linear.json]
     .venv/bin/python scripts/bench_cpu_linear.py --hints 1,16,128,512,2048   # MKL's packing row hint instead
