@@ -61,15 +61,15 @@ def main() -> None:
             raise SystemExit("this torch build has no MKL packed GEMM")
         for hint in (int(h) for h in args.hints.split(",")):
             cpu_linear.PACK_ROWS_HINT = hint
-            variants[f"mkl@{hint}"] = packed_with(cpu_linear.PackedLinears(None, mkl))
+            variants[f"mkl@{hint}"] = packed_with(cpu_linear.PackedLinears("mkl", None, mkl))
     else:
         variants["F.linear"] = None
         if mkl is not None:
-            variants["mkl"] = packed_with(cpu_linear.PackedLinears(None, mkl))
+            variants["mkl"] = packed_with(cpu_linear.PackedLinears("mkl", None, mkl))
         if cpu_linear.onednn_available():
-            variants["onednn"] = packed_with(cpu_linear.PackedLinears(None, None, onednn=True))
+            variants["onednn"] = packed_with(cpu_linear.PackedLinears("onednn"))
         if lib is not None:
-            variants["panels"] = packed_with(cpu_linear.PackedLinears(lib, None))
+            variants["panels"] = packed_with(cpu_linear.PackedLinears("panels", lib))
         if len(variants) == 1:
             raise SystemExit("neither MKL's packed GEMM nor the kernel library is available")
 

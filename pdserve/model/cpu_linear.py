@@ -1,5 +1,6 @@
-"""The CPU float32 linears from weights packed once at load time: MKL's packed GEMM where torch carries MKL (x86
-wheels), else column panels through csrc/small_gemm.c.
+"""The CPU float32 linears from weights packed once at load time: MKL's packed GEMM (Intel CPUs), oneDNN's
+prepacked linear with column panels through csrc/small_gemm.c for decode-sized steps (other CPUs), or the panels
+alone (torch builds with neither).
 
 Why: F.linear calls MKL's sgemm, which packs its weight operand again on every call. At a few rows (decode) that
 doubles the weight traffic the step is bound by; at prefill sizes it is a repack of every weight from memory per
@@ -24,7 +25,15 @@ did more with the same weights. Same 30 layers, ms, MKL packed vs oneDNN packed:
 one thread, CPU time (the host was shared): 8 rows 4.8 vs 3.6 per layer, 64 rows 16.1 vs 14.0, 512 rows 110 vs
 98 (the core's FMA peak); on an Intel Xeon with AVX-512 (the GPU machine's host, two cores pinned, wall time):
 8 rows 34.5 vs 37.1, 64 rows 75.3 vs 92.8, 512 rows 514 vs 607, 2,048 rows 2,518 vs 2,970. So MKL on Intel CPUs,
-oneDNN elsewhere (`gemm_library`; PDSERVE_CPU_GEMM=mkl|onednn|panels overrides it for A/B runs).
+oneDNN elsewhere.
+
+And on that AMD host neither library (nor F.linear) serves decode-sized steps well, where the column panels
+stream the weight at the memory's pace: 30 layers, 2 threads, quiet host, F.linear / MKL packed / oneDNN /
+panels, ms: 1 row 34.0 / 40.9 / 34.4 / 23.0; 2 rows 55.1 / 64.5 / 35.6 / 25.3; 8 rows 96.8 / 102.4 / 59.9 / 41.2;
+16 rows 124.1 / 129.7 / 83.6 / 64.4 (MKL's one-row GEMV does not even use the second thread there: 36.8 ms with
+one). On the Intel host the panels only tie (1 row 22.0 vs F.linear 21.4, MKL packed 8 rows 30.6 vs 38.2). So
+non-Intel CPUs take "panels+onednn": the panels up to PANEL_MAX_ROWS rows, oneDNN from there on (both copies
+resident). `gemm_library` decides; PDSERVE_CPU_GEMM (one of GEMM_LIBRARIES) overrides it for A/B runs.
 
 PackedLinears holds the packed copies, keyed by the module (or "lm_head"); Decoder owns one, built after loading
 (`pack_cpu_linears`), and the CPU layer path (cpu_layer.forward_cpu) and Decoder.logits call `linear`.
@@ -41,8 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_ROWS = 2  # fewer rows: F.linear (MKL's one-row GEMV already reads the weight once; measured as fast or faster)
-PANEL_MAX_ROWS = 16  # the column panels' range ends here (F.linear measured faster from 24 rows)
+MIN_ROWS = 2  # fewer rows: F.linear rather than MKL's or oneDNN's packed copy (MKL's one-row GEMV reads the weight
+# once already and keeps it: measured as fast or faster on Intel CPUs; the column panels take single rows)
+PANEL_MAX_ROWS = 16  # the column panels' range ends here (F.linear or the packed GEMM measured faster from 24 rows)
 PACK_MAX_BYTES = 4 * 2**30  # linear weights beyond this are not duplicated (memory over a few ms per step)
 # The row count MKL packs for: its packed layout depends on it (the size does not). Measured over the 30 layers
 # (`scripts/bench_cpu_linear.py --hints 1,16,512 --rows 8,64,512,2048`), ms at 8 / 64 / 512 / 2048 rows: packed for
@@ -50,7 +60,9 @@ PACK_MAX_BYTES = 4 * 2**30  # linear weights beyond this are not duplicated (mem
 # 1169. One copy packed for 512 serves every row count.
 PACK_ROWS_HINT = 512
 
-GEMM_LIBRARIES = ("onednn", "mkl", "panels")
+# What serves the packed linears: one library, or the column panels up to PANEL_MAX_ROWS rows and a packed GEMM
+# from there on ("panels+onednn", "panels+mkl").
+GEMM_LIBRARIES = ("onednn", "mkl", "panels", "panels+onednn", "panels+mkl")
 
 # CBLAS constants (mkl_cblas.h)
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
@@ -94,18 +106,22 @@ def cpu_vendor() -> str:
 
 
 def gemm_library() -> str:
-    """The library the packed linears use here: PDSERVE_CPU_GEMM if set, else MKL on Intel CPUs and oneDNN on
-    others (module doc), falling back to what this torch build has; "panels" is the kernel library's."""
+    """The library the packed linears use here (one of GEMM_LIBRARIES): PDSERVE_CPU_GEMM if set, else MKL on Intel
+    CPUs and the column panels with oneDNN above them on others (module doc), a packed GEMM this torch build lacks
+    replaced by the other one (or dropped). Whether the panels' kernel library builds is the caller's check."""
     choice = os.environ.get("PDSERVE_CPU_GEMM", "")
     if choice and choice not in GEMM_LIBRARIES:
         raise ValueError(f"PDSERVE_CPU_GEMM={choice!r}: expected one of {', '.join(GEMM_LIBRARIES)}")
     if not choice:
-        choice = "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
-    if choice == "onednn" and not onednn_available():
-        choice = "mkl"
-    if choice == "mkl" and mkl_packed_gemm() is None:
-        choice = "onednn" if onednn_available() else "panels"
-    return choice
+        choice = "mkl" if cpu_vendor() == "GenuineIntel" else "panels+onednn"
+    panels, gemm = choice.startswith("panels"), choice.rpartition("+")[2] if "+" in choice else choice
+    if gemm == "onednn" and not onednn_available():
+        gemm = "mkl"
+    if gemm == "mkl" and mkl_packed_gemm() is None:
+        gemm = "onednn" if onednn_available() else "panels"
+    if gemm == "panels" or panels:
+        return "panels" if gemm == "panels" else f"panels+{gemm}"
+    return gemm
 
 
 def pack(weight: torch.Tensor, width: int) -> torch.Tensor:
@@ -134,68 +150,85 @@ def mkl_pack(mkl: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinears:
-    """Packed weights of a decoder's CPU linears (float32) and the call that uses them. `lib` is the kernel library
-    (cpu_attention.decode_kernel()), used only where neither oneDNN nor MKL packs (`backend` says which): oneDNN
-    when `onednn`, else MKL when `mkl` is given, else the column panels."""
+    """Packed weights of a decoder's CPU linears (float32) and the call that uses them. `library` is one of
+    GEMM_LIBRARIES: the column panels (they need `lib`, the kernel library cpu_attention.decode_kernel()) serve
+    1 to PANEL_MAX_ROWS rows, MKL's packed GEMM (`mkl`, mkl_packed_gemm()) or oneDNN's prepacked linear MIN_ROWS
+    rows and up; a row count neither serves runs F.linear."""
 
-    def __init__(self, lib: ctypes.CDLL | None, mkl: ctypes.CDLL | None = None, onednn: bool = False) -> None:
-        self.mkl = None if onednn else mkl
-        self.onednn = onednn
-        self.lib = lib
-        if not onednn and mkl is None and lib is None:
-            raise ValueError("neither oneDNN, MKL's packed GEMM nor the kernel library is available")
+    def __init__(self, library: str, lib: ctypes.CDLL | None = None, mkl: ctypes.CDLL | None = None) -> None:
+        if library not in GEMM_LIBRARIES:
+            raise ValueError(f"unknown library {library!r}: expected one of {', '.join(GEMM_LIBRARIES)}")
+        self.library = library
+        self.panels = library.startswith("panels")
+        self.gemm = library.rpartition("+")[2] if "+" in library else "" if self.panels else library
+        if self.panels and lib is None:
+            raise ValueError("the column panels need the kernel library")
+        if self.gemm == "mkl" and mkl is None:
+            raise ValueError("MKL's packed GEMM is not available")
+        self.lib, self.mkl = lib, mkl
         self.width = 0 if lib is None else int(lib.pdserve_linear_panel_width())
-        self.packed: dict[nn.Module | str, tuple[torch.Tensor, int, int]] = {}  # key -> (packed, N, K)
+        # key -> (panels or None, the packed GEMM's copy or None, N, K)
+        self.packed: dict[nn.Module | str, tuple[torch.Tensor | None, torch.Tensor | None, int, int]] = {}
         self.nbytes = 0  # resident bytes of the packed copies (a weight's own size for MKL: see the module doc)
 
     @property
     def backend(self) -> str:
-        return "onednn" if self.onednn else "mkl" if self.mkl is not None else "panels"
+        return self.library
 
     def add(self, key: nn.Module | str, weight: torch.Tensor) -> None:
         weight = weight.detach()
         n, k = weight.shape
-        if self.onednn:
-            self.packed[key] = (torch.ops.mkldnn._reorder_linear_weight(weight, None), n, k)
-            self.nbytes += n * k * weight.element_size()
-        elif self.mkl is not None:
-            self.packed[key] = (mkl_pack(self.mkl, weight), n, k)
-            self.nbytes += n * k * weight.element_size()
-        else:
+        panels = gemm = None
+        if self.panels:
             panels = pack(weight, self.width)
-            self.packed[key] = (panels, n, k)
             self.nbytes += panels.numel() * panels.element_size()
+        if self.gemm == "onednn":
+            gemm = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        elif self.gemm == "mkl":
+            assert self.mkl is not None
+            gemm = mkl_pack(self.mkl, weight)
+        if gemm is not None:
+            self.nbytes += n * k * weight.element_size()
+        self.packed[key] = (panels, gemm, n, k)
+
+    def route(self, rows: int) -> str:
+        """What serves a step of `rows` rows: "panels", "mkl", "onednn" or "" (F.linear)."""
+        if self.panels and rows <= PANEL_MAX_ROWS:
+            return "panels"
+        return self.gemm if self.gemm and rows >= MIN_ROWS else ""
 
     def takes(self, rows: int) -> bool:
         """Whether a step of `rows` rows runs from the packed copies (else F.linear)."""
-        return rows >= MIN_ROWS and (self.backend != "panels" or rows <= PANEL_MAX_ROWS)
+        return self.route(rows) != ""
 
     def linear(
         self, key: nn.Module | str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [M, K] @ weight^T + bias: from the packed copy when `takes(M)` and key was packed, else F.linear (the
-        same values up to rounding)."""
+        """x [M, K] @ weight^T + bias: from a packed copy when `route(M)` names one and key was packed, else F.linear
+        (the same values up to rounding)."""
         entry = self.packed.get(key)
         m = x.shape[0]
-        if entry is None or x.dim() != 2 or not self.takes(m):
+        route = self.route(m) if entry is not None and x.dim() == 2 else ""
+        if not route:
             return F.linear(x, weight, bias)
-        packed, n, k = entry
-        if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        panels, gemm, n, k = entry
+        if route == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), gemm, bias, "none", [], "")
         if x.stride(1) != 1:
             x = x.contiguous()
-        if self.mkl is not None:
+        if route == "mkl":
+            assert self.mkl is not None and gemm is not None
             if bias is None:
                 y, beta = torch.empty(m, n, dtype=x.dtype), 0.0
             else:
                 y, beta = bias.expand(m, n).contiguous(), 1.0
             self.mkl.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, x.data_ptr(), x.stride(0),
-                                         packed.data_ptr(), n, beta, y.data_ptr(), n)  # fmt: skip
+                                         gemm.data_ptr(), n, beta, y.data_ptr(), n)  # fmt: skip
             return y
-        assert self.lib is not None
+        assert self.lib is not None and panels is not None
         y = torch.empty(m, n, dtype=x.dtype)
         b = None if bias is None else bias.contiguous().data_ptr()
-        self.lib.pdserve_linear_panels_f32(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, b,
+        self.lib.pdserve_linear_panels_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n, b,
                                            y.data_ptr(), n)  # fmt: skip
         return y
 

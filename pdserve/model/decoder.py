@@ -214,11 +214,12 @@ def pack_cpu_linears(decoder: Decoder) -> None:
     if head.dtype != torch.float32 or head.device.type != "cpu":
         return
     library, lib = gemm_library(), cpu_attention.decode_kernel()
-    if (library == "panels" and lib is None) or linear_bytes(
-        decoder
-    ) + head.numel() * head.element_size() > PACK_MAX_BYTES:
+    if lib is None and library.startswith("panels"):  # no compiler: the packed GEMM alone, if any
+        library = library.partition("+")[2]
+    copies = 2 if "+" in library else 1
+    if not library or copies * (linear_bytes(decoder) + head.numel() * head.element_size()) > PACK_MAX_BYTES:
         return
-    packed = PackedLinears(lib, mkl_packed_gemm() if library == "mkl" else None, onednn=library == "onednn")
+    packed = PackedLinears(library, lib, mkl_packed_gemm())
     for layer in decoder.decoder_layers:
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             packed.add(linear, linear.weight)

@@ -16,9 +16,11 @@ from test_generate import _llm, _prompts
 
 from pdserve import SamplingParams
 from pdserve.model.cpu_linear import (
+    GEMM_LIBRARIES,
     MIN_ROWS,
     PANEL_MAX_ROWS,
     PackedLinears,
+    cpu_vendor,
     gemm_library,
     mkl_packed_gemm,
     onednn_available,
@@ -42,7 +44,7 @@ def test_kernel_equals_f_linear(lib: ctypes.CDLL, n: int, k: int, bias: bool) ->
     gen = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
-    panels = PackedLinears(lib)
+    panels = PackedLinears("panels", lib)
     packed = pack(w, panels.width)
     for m in (1, 2, 7, 8, 9, 16, 20):  # every row count the kernel takes, and past one pass of MR rows
         wide = torch.randn(m, k + 5, generator=gen)
@@ -54,13 +56,14 @@ def test_kernel_equals_f_linear(lib: ctypes.CDLL, n: int, k: int, bias: bool) ->
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-def _packer(backend: str) -> PackedLinears:
-    """A PackedLinears of the library `backend` names (mkl, onednn), skipping where this torch build lacks it."""
-    if backend == "mkl" and mkl_packed_gemm() is None:
+def _packer(backend: str, lib: ctypes.CDLL | None = None) -> PackedLinears:
+    """A PackedLinears of the library `backend` names (one of GEMM_LIBRARIES), skipping where this torch build
+    lacks it."""
+    if backend.endswith("mkl") and mkl_packed_gemm() is None:
         pytest.skip("this torch build has no MKL packed GEMM")
-    if backend == "onednn" and not onednn_available():
+    if backend.endswith("onednn") and not onednn_available():
         pytest.skip("this torch build has no oneDNN prepacked linear")
-    return PackedLinears(None, mkl_packed_gemm(), onednn=backend == "onednn")
+    return PackedLinears(backend, lib, mkl_packed_gemm())
 
 
 @pytest.mark.parametrize("backend", ["mkl", "onednn"])
@@ -87,32 +90,41 @@ def test_packed_equals_f_linear(backend: str, n: int, k: int, layout: str, bias:
 def test_gemm_library_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """PDSERVE_CPU_GEMM picks the library (falling back to one this build has); a name it does not know is an
     error that lists the names; unset, the choice is one of them."""
-    assert gemm_library() in ("onednn", "mkl", "panels")
+    assert gemm_library() in GEMM_LIBRARIES
+    if cpu_vendor() not in ("GenuineIntel", "") and onednn_available():
+        assert gemm_library() == "panels+onednn"  # the default off Intel CPUs
     monkeypatch.setenv("PDSERVE_CPU_GEMM", "panels")
     assert gemm_library() == "panels"
     monkeypatch.setenv("PDSERVE_CPU_GEMM", "onednn")
     assert gemm_library() == ("onednn" if onednn_available() else "mkl" if mkl_packed_gemm() else "panels")
+    monkeypatch.setenv("PDSERVE_CPU_GEMM", "panels+mkl")
+    assert gemm_library() == ("panels+mkl" if mkl_packed_gemm() else "panels+onednn" if onednn_available() else "panels")
     monkeypatch.setenv("PDSERVE_CPU_GEMM", "blis")
-    with pytest.raises(ValueError, match="onednn, mkl, panels"):
+    with pytest.raises(ValueError, match="onednn, mkl, panels, panels"):
         gemm_library()
+    with pytest.raises(ValueError, match="unknown library"):
+        PackedLinears("blis")
 
 
-@pytest.mark.parametrize("backend", ["mkl", "onednn", "panels"])
+@pytest.mark.parametrize("backend", GEMM_LIBRARIES)
 def test_dispatch_by_rows(lib: ctypes.CDLL, backend: str) -> None:
-    """Rows the backend takes (from MIN_ROWS; the panels up to PANEL_MAX_ROWS) of a packed key go through the packed
-    copy; others (or an unpacked key) are F.linear exactly."""
+    """Rows up to PANEL_MAX_ROWS go through the panels where the library has them, rows from MIN_ROWS through MKL's
+    or oneDNN's copy where it has one; other rows (or an unpacked key) are F.linear exactly."""
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=gen)
-    linears = PackedLinears(lib) if backend == "panels" else _packer(backend)
+    linears = _packer(backend, lib)
     assert linears.backend == backend
     linears.add("w", w)
-    if backend == "panels":
-        assert linears.nbytes == 2 * 24 * linears.width * 4
+    panel_bytes = 2 * 24 * linears.width * 4 if backend.startswith("panels") else 0
+    gemm_bytes = 40 * 24 * 4 if backend != "panels" else 0
+    assert linears.nbytes == panel_bytes + gemm_bytes
+    gemm = backend.rpartition("+")[2] if backend != "panels" else ""
     for m in (1, MIN_ROWS, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 64):
         x = torch.randn(m, 24, generator=gen)
         y = linears.linear("w", x, w)
-        assert linears.takes(m) == (m >= MIN_ROWS and (backend != "panels" or m <= PANEL_MAX_ROWS))
-        if linears.takes(m):
+        expected = "panels" if panel_bytes and m <= PANEL_MAX_ROWS else gemm if m >= MIN_ROWS else ""
+        assert linears.route(m) == expected and linears.takes(m) == bool(expected)
+        if expected:
             torch.testing.assert_close(y, F.linear(x, w))
         else:
             assert torch.equal(y, F.linear(x, w))
@@ -139,7 +151,7 @@ def test_engine_tokens_with_and_without_panels(
     monkeypatch.setattr(panels, "linear", counting)
     with_panels = [o.token_ids for o in packed_llm.generate(prompts, params)]
     assert any(panels.takes(m) and m <= 6 for m in calls)  # the batched decode steps
-    assert panels.backend == "panels" or any(panels.takes(m) and m > PANEL_MAX_ROWS for m in calls)  # the prefill
+    assert panels.gemm == "" or any(panels.route(m) == panels.gemm for m in calls)  # the prefill
     plain_llm = _llm(tiny_model_dirs[family], block_size=4)
     plain_llm.engine.runner.decoder.cpu_linears = None
     assert with_panels == [o.token_ids for o in plain_llm.generate(prompts, params)]
