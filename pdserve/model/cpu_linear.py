@@ -209,7 +209,7 @@ class PackedLinears:
         entry = self.packed.get(key)
         m = x.shape[0]
         route = self.route(m) if entry is not None and x.dim() == 2 else ""
-        if not route:
+        if not route or entry is None:
             return F.linear(x, weight, bias)
         panels, gemm, n, k = entry
         if route == "onednn":
