@@ -33,9 +33,11 @@ def test_no_compiler_falls_back(tmp_path: Path) -> None:
 @needs_compiler
 @pytest.mark.parametrize("window", [None, 1, 5, 17])
 @pytest.mark.parametrize("with_prefill", [False, True])
-def test_kernel_equals_portable(window: int | None, with_prefill: bool) -> None:
+# head dims of 2, 3 (the scalar loops), 8 and 16 vectors of 8 floats; blocks shorter and longer than the dots' RB
+@pytest.mark.parametrize(("bs", "d"), [(4, 16), (16, 24), (16, 64), (8, 128)])
+def test_kernel_equals_portable(window: int | None, with_prefill: bool, bs: int, d: int) -> None:
     gen = torch.Generator().manual_seed(window or 0)
-    num_blocks, num_layers, bs, h, hkv, d = 40, 3, 4, 6, 2, 16
+    num_blocks, num_layers, h, hkv = 40, 3, 6, 2
     kv = torch.randn(num_blocks, num_layers, 2, hkv, bs, d, generator=gen)  # block-major, as the engine's
     layer = layer_view(kv, 1)  # strided: blocks are num_layers * 2 * hkv * bs * d apart, heads bs * d
     lens = [1, 9, 23, 16, 37]
