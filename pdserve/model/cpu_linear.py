@@ -9,7 +9,7 @@ statically and exports them), so a weight can be packed once and used for any ro
 of the built-in model's linear shapes streamed from memory (column-major weights as the engine stores them, 2
 threads, interleaved; `scripts/bench_cpu_linear.py`, docs/results/cpu/cpu_linear_mkl.json), F.linear vs packed:
 2 rows 22.1 vs 17.8 ms, 8 rows 34.4 vs 24.1, 64 rows 54.5 vs 47.5, 512 rows 290.6 vs 270.3, 2048 rows 1120 vs
-1134 (a tie); at one row F.linear's GEMV reads the weight once already and keeps it (MIN_ROWS). The packed result
+1134 (a tie); at one row a tie for the layers, the LM head faster (MIN_ROWS). The packed result
 equals F.linear's bit for bit from 17 rows up (measured on row-major weights; MKL picks the same kernel) and
 differs in the last bits below (as MKL's own 1-row and 8-row results do), never in the tokens
 (tests/model/test_cpu_linear.py). The column panels of small_gemm.c were the first answer to the same problem
@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_ROWS = 2  # fewer rows: F.linear rather than MKL's or oneDNN's packed copy (MKL's one-row GEMV reads the weight
-# once already and keeps it: measured as fast or faster on Intel CPUs; the column panels take single rows)
+MIN_ROWS = 1  # the packed GEMMs serve every row count: at one row the layers tie with F.linear's GEMV (Intel Xeon,
+# 30 layers, 2 threads: MKL packed 19.1-21.7 ms vs F.linear 19.7-21.4) and the LM head gains (4.9 vs 6.0 ms)
 PANEL_MAX_ROWS = 16  # the column panels' range ends here (F.linear or the packed GEMM measured faster from 24 rows)
 PACK_MAX_BYTES = 4 * 2**30  # linear weights beyond this are not duplicated (memory over a few ms per step)
 # The row count MKL packs for: its packed layout depends on it (the size does not). Measured over the 30 layers
@@ -221,7 +221,7 @@ class PackedLinears:
             if bias is None:
                 y, beta = torch.empty(m, n, dtype=x.dtype), 0.0
             else:
-                y, beta = bias.expand(m, n).contiguous(), 1.0
+                y, beta = bias.repeat(m, 1), 1.0  # a copy always (expand(1, n).contiguous() is the bias itself)
             self.mkl.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, x.data_ptr(), x.stride(0),
                                          gemm.data_ptr(), n, beta, y.data_ptr(), n)  # fmt: skip
             return y
