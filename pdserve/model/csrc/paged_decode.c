@@ -22,6 +22,7 @@
  */
 /* the softmax exps vectorized: see layer_ops.c (fast_expf's clamps stay scalar while comparisons may trap) */
 #pragma GCC optimize("no-trapping-math")
+#pragma GCC optimize("fp-contract=fast") /* FMA contraction: -std=c99 turns it off */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
