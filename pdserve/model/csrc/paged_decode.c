@@ -71,6 +71,23 @@ static inline void block_softmax(float *sc, int64_t block_size, int64_t group, i
     }
 }
 
+/* A task's softmax state before its first block: running max -inf, sums and outputs 0, for n query heads. */
+static inline void state_reset(int64_t n, int64_t head_dim, float *mx, float *sum, float *acc) {
+    for (int64_t g = 0; g < n; g++) {
+        mx[g] = -INFINITY;
+        sum[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(n * head_dim));
+}
+
+/* A task's outputs after its last block: each head's weighted sum over its softmax's sum (0 where it saw no key). */
+static inline void write_out(int64_t n, int64_t head_dim, const float *acc, const float *sum, float *ob) {
+    for (int64_t g = 0; g < n; g++) {
+        const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) ob[g * head_dim + d] = acc[g * head_dim + d] * inv;
+    }
+}
+
 /* The task (one sequence, `heads` KV heads from kv_off on, head_stride apart) for head_dim = NVD * VW, NVD a
  * constant after inlining: its G = heads * group query heads are rows of one softmax each, query head g reading
  * KV head g / group of the task. */
@@ -81,11 +98,7 @@ static inline __attribute__((always_inline)) void task_vec(const int NVD, const 
                                                            int64_t group, int64_t block_size, float scale, float *sc,
                                                            float *acc, float *mx, float *sum, float *corr, float *ob) {
     const int64_t hd = NVD * VW, G = heads * group;
-    for (int64_t g = 0; g < G; g++) {
-        mx[g] = -INFINITY;
-        sum[g] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)(G * hd));
+    state_reset(G, hd, mx, sum, acc);
     for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
         const int64_t r0 = start < lo ? lo - start : 0;
         const int64_t r1 = len - start < block_size ? len - start : block_size;
@@ -133,10 +146,7 @@ static inline __attribute__((always_inline)) void task_vec(const int NVD, const 
             for (int j = 0; j < NVD; j++) vstore(ag + j * VW, o[j]);
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
-        for (int64_t d = 0; d < hd; d++) ob[g * hd + d] = acc[g * hd + d] * inv;
-    }
+    write_out(G, hd, acc, sum, ob);
 }
 
 /* The task for any head_dim: scalar loops the compiler vectorizes over head_dim. */
@@ -144,11 +154,7 @@ static void task_scalar(const float *qb, const float *k, const float *v, const i
                         int64_t len, int64_t block_stride, int64_t row_stride, int64_t kv_off, int64_t group,
                         int64_t head_dim, int64_t block_size, float scale, float *sc, float *acc, float *mx,
                         float *sum, float *corr, float *ob) {
-    for (int64_t g = 0; g < group; g++) {
-        mx[g] = -INFINITY;
-        sum[g] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
+    state_reset(group, head_dim, mx, sum, acc);
     for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
         const int64_t r0 = start < lo ? lo - start : 0;
         const int64_t r1 = len - start < block_size ? len - start : block_size;
@@ -182,10 +188,7 @@ static void task_scalar(const float *qb, const float *k, const float *v, const i
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
-        for (int64_t d = 0; d < head_dim; d++) ob[g * head_dim + d] = acc[g * head_dim + d] * inv;
-    }
+    write_out(group, head_dim, acc, sum, ob);
 }
 
 void pdserve_paged_decode_f32(const float *q,          /* [B, num_heads, head_dim] contiguous */
