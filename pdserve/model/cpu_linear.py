@@ -114,14 +114,23 @@ def gemm_library() -> str:
         raise ValueError(f"PDSERVE_CPU_GEMM={choice!r}: expected one of {', '.join(GEMM_LIBRARIES)}")
     if not choice:
         choice = "mkl" if cpu_vendor() == "GenuineIntel" else "panels+onednn"
-    panels, gemm = choice.startswith("panels"), choice.rpartition("+")[2] if "+" in choice else choice
+    panels, gemm = library_parts(choice)
     if gemm == "onednn" and not onednn_available():
         gemm = "mkl"
     if gemm == "mkl" and mkl_packed_gemm() is None:
-        gemm = "onednn" if onednn_available() else "panels"
-    if gemm == "panels" or panels:
-        return "panels" if gemm == "panels" else f"panels+{gemm}"
-    return gemm
+        gemm = "onednn" if onednn_available() else ""
+    if not gemm:
+        return "panels"
+    return f"panels+{gemm}" if panels else gemm
+
+
+def library_parts(library: str) -> tuple[bool, str]:
+    """A GEMM_LIBRARIES name (or "") as (whether the column panels serve small steps, the packed GEMM: "mkl",
+    "onednn" or "")."""
+    if library == "panels":
+        return True, ""
+    panels, _, gemm = library.rpartition("+")
+    return panels == "panels", gemm
 
 
 def pack(weight: torch.Tensor, width: int) -> torch.Tensor:
@@ -159,8 +168,7 @@ class PackedLinears:
         if library not in GEMM_LIBRARIES:
             raise ValueError(f"unknown library {library!r}: expected one of {', '.join(GEMM_LIBRARIES)}")
         self.library = library
-        self.panels = library.startswith("panels")
-        self.gemm = library.rpartition("+")[2] if "+" in library else "" if self.panels else library
+        self.panels, self.gemm = library_parts(library)
         if self.panels and lib is None:
             raise ValueError("the column panels need the kernel library")
         if self.gemm == "mkl" and mkl is None:

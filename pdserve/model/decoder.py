@@ -40,7 +40,14 @@ from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable
 from pdserve.model.cpu_layer import forward_cpu
-from pdserve.model.cpu_linear import PACK_MAX_BYTES, PackedLinears, gemm_library, linear_bytes, mkl_packed_gemm
+from pdserve.model.cpu_linear import (
+    PACK_MAX_BYTES,
+    PackedLinears,
+    gemm_library,
+    library_parts,
+    linear_bytes,
+    mkl_packed_gemm,
+)
 from pdserve.model.decoder_layer import DecoderLayer, RMSNorm
 from pdserve.model.kv_groups import KVGroups
 from pdserve.model.paged import AttentionContext, layer_view
@@ -214,10 +221,10 @@ def pack_cpu_linears(decoder: Decoder) -> None:
     if head.dtype != torch.float32 or head.device.type != "cpu":
         return
     library, lib = gemm_library(), cpu_attention.decode_kernel()
-    if lib is None and library.startswith("panels"):  # no compiler: the packed GEMM alone, if any
-        library = library.partition("+")[2]
-    copies = 2 if "+" in library else 1
-    if not library or copies * (linear_bytes(decoder) + head.numel() * head.element_size()) > PACK_MAX_BYTES:
+    if lib is None:  # no compiler: the packed GEMM alone, if any
+        library = library_parts(library)[1]
+    copies = sum(map(bool, library_parts(library)))  # the panels' and the packed GEMM's
+    if not copies or copies * (linear_bytes(decoder) + head.numel() * head.element_size()) > PACK_MAX_BYTES:
         return
     packed = PackedLinears(library, lib, mkl_packed_gemm())
     for layer in decoder.decoder_layers:
