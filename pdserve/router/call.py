@@ -23,6 +23,7 @@ class Call:
     request_id: str  # sent to both legs as X-Request-Id
     http: Request  # the client's request, watched for a disconnect
     is_stream: bool  # the body's `stream`, as the instances read it (parsed, so `"false"` never counts as true)
+    max_tokens: int | None = None  # the output length asked for (max_completion_tokens or max_tokens), parsed
     prefill_url: str | None = None  # chosen instances, for the log line
     decode_url: str | None = None  # the decode instance; in colocated mode the instance that ran it whole
     is_whole: bool = False  # sent to one instance without a prefill leg (colocated, or a short prompt)

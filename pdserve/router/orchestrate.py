@@ -5,6 +5,8 @@ pull: P answers first (max_tokens=1, do_remote_decode) with its KV coordinates; 
       without do_remote_prefill (a push instance says why) are a 502 naming the prefill leg. The router
       checks P's params (decode_answer) but relays them to D verbatim, as vLLM's proxy does: a vLLM decode
       instance reads keys pdserve does not model (per-KV-group block lists, dcp_size, an expiry).
+Both modes tell P the client's max_tokens (decode_max_tokens in P's kv_transfer_params): P refuses a prompt
+that leaves no room for them with D's 400, before spending the prefill (a vLLM P ignores the key).
 push: P and D are chosen at arrival and both legs leave at once with one fresh transfer_id; D's
       kv_transfer_params carry P's coordinates from P's GET /kv_transfer/info (cached per P URL). If P's leg
       fails, D's leg is cancelled and the client gets a 502 naming the prefill leg.
@@ -147,7 +149,7 @@ class Orchestrator:
         p = self.prefill.choose()
         call.prefill_url = p.url
         with self.prefill.lease(p):
-            body = prefill_body(call.body, encode(RemoteDecode(None, None)))
+            body = prefill_body(call.body, encode(RemoteDecode(None, None, None, call.max_tokens)))
             answer = await race_disconnect(
                 post_json(self.session, "prefill", p.url, call.path, body, call.headers), call.http
             )
@@ -201,7 +203,7 @@ class Orchestrator:
         transfer_id = uuid.uuid4().hex
         host, port, engine_id = info["side_channel_host"], info["side_channel_port"], info["engine_id"]
         cap = self.kv_auth.issue_push(transfer_id, engine_id, host, port, DEFAULT_TTL_S)  # both legs carry it
-        p_body = prefill_body(call.body, encode(RemoteDecode(Mode.PUSH, transfer_id, cap)))
+        p_body = prefill_body(call.body, encode(RemoteDecode(Mode.PUSH, transfer_id, cap, call.max_tokens)))
         source = PushSource(transfer_id, host, port, engine_id, info.get("tp_size", 1), cap)
         d_body = {**call.body, "kv_transfer_params": encode(source)}
         p_task = asyncio.create_task(self._leased(self.prefill.lease(p), p_body, call, "prefill"))

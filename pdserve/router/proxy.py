@@ -154,7 +154,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             log.info("POST %s refused with 400: %s", path, e)
             return error_response(400, str(e))
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
-        call = Call(path, body, request_id, request, parsed.stream)
+        call = Call(path, body, request_id, request, parsed.stream, parsed.requested_max_tokens)
         status = 200
         try:
             return await orchestrator.handle(call)

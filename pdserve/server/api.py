@@ -31,6 +31,7 @@ from pdserve.server import metrics
 from pdserve.server.prepare import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     chat_prompt_ids,
+    check_output_fits,
     completion_prompt_ids,
     sampling_params,
 )
@@ -39,7 +40,7 @@ from pdserve.server.render import Kind, Renderer
 from pdserve.server.state import RETRY_AFTER_S, Limits, ServerState
 from pdserve.server.streams import RequestRun
 from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import KVParamsError
+from pdserve.transfer.params import KVParamsError, RemoteDecode
 from pdserve.transfer.params_decode import decode
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
@@ -203,6 +204,8 @@ async def _answer(
         kv_params = decode(body.kv_transfer_params)  # parsed once, here; typed from now on
     except KVParamsError as e:
         raise ApiError(400, str(e)) from e
+    if isinstance(kv_params, RemoteDecode) and kv_params.decode_max_tokens is not None:
+        check_output_fits(len(prompt_ids), kv_params.decode_max_tokens, engine.info.max_model_len)
     try:  # before anything is allocated or dialed: coordinates must have been issued for this prompt
         state.kv_auth.check(kv_params, prompt_ids, engine.info.kv_transfer_info)
     except AuthError as e:

@@ -43,6 +43,17 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any | None) -> list[
         raise ApiError(400, f"chat template failed on these messages: {e}") from e
 
 
+def check_output_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse (400) an explicit max_tokens that does not fit beside the prompt. Also P's check of the decode
+    leg's max_tokens (kv_transfer_params' decode_max_tokens), so the prefill is not spent on a request D refuses."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+            f"{num_prompt_tokens + max_tokens} is longer than max_model_len {max_model_len}",
+        )
+
+
 def sampling_params(
     body: SamplingFields, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int | None
 ) -> SamplingParams:
@@ -61,13 +72,8 @@ def sampling_params(
     requested = body.requested_max_tokens
     if requested is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    elif requested > room:
-        raise ApiError(
-            400,
-            f"prompt has {num_prompt_tokens} tokens and max_tokens is {requested}: "
-            f"{num_prompt_tokens + requested} is longer than max_model_len {max_model_len}",
-        )
     else:
+        check_output_fits(num_prompt_tokens, requested, max_model_len)
         max_tokens = requested
     try:
         return SamplingParams(

@@ -40,6 +40,7 @@ TP_SIZE = "tp_size"  # P's tensor-parallel size
 TRANSFER_ID = "transfer_id"  # push: pairs P's prefill with D's registration (the router's)
 TRANSFER_MODE = "transfer_mode"  # "pull" | "push"
 ERROR = "error"  # P's answer when it cannot hand the KV over
+DECODE_MAX_TOKENS = "decode_max_tokens"  # P (pdserve's router): the client's max_tokens for the decode leg
 CAPABILITY = "kv_capability"  # pdserve's: {"expires_at", "mac", "prompt_digest"} (transfer/capability.py)
 
 
@@ -78,6 +79,9 @@ class RemoteDecode:
     mode: Mode | None  # None: not said (a vLLM-style proxy); the instance's own mode applies
     transfer_id: str | None  # push: the router's id pairing this prefill with D's registration
     capability: Capability | None = None  # push: the router's, over transfer id and this P (None: unsigned)
+    # the output length the client asked of the decode leg: P refuses a prompt it does not fit beside before
+    # prefilling it (None: not said, as from a vLLM-style proxy; D alone then checks it, after the prefill)
+    decode_max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,8 @@ def encode(value: KVTransferParams | KVAnswer) -> dict[str, Any]:
             out[TRANSFER_MODE] = value.mode.value
         if value.capability is not None:
             out[CAPABILITY] = _encode_capability(value.capability)
+        if value.decode_max_tokens is not None:
+            out[DECODE_MAX_TOKENS] = value.decode_max_tokens
         return out
     if isinstance(value, PullSource):
         out = {

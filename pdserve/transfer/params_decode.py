@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve.transfer.params import (
     CAPABILITY,
+    DECODE_MAX_TOKENS,
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     ERROR,
@@ -66,7 +67,8 @@ def decode(raw: object) -> KVTransferParams | None:
     if decode_kv and prefill:
         raise KVParamsError(DO_REMOTE_DECODE, f"cannot be set together with {DO_REMOTE_PREFILL}")
     if decode_kv:
-        return RemoteDecode(mode, _opt_str(raw, TRANSFER_ID, MAX_ID_LEN), _capability(raw))
+        max_tokens = _opt_int(raw, DECODE_MAX_TOKENS, 1, MAX_TOKENS)
+        return RemoteDecode(mode, _opt_str(raw, TRANSFER_ID, MAX_ID_LEN), _capability(raw), max_tokens)
     if not prefill:
         return None
     if mode is None:  # vLLM's pull answers carry no mode; the router's push params always do

@@ -290,6 +290,25 @@ def test_push_router_passes_bad_input_on_and_frees(cl: Cluster) -> None:
     assert_all_free(cl.p_push, cl.d_push)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_max_tokens_past_the_context_is_refused_before_the_prefill(cl: Cluster, mode: str) -> None:
+    """A prompt that fits but leaves no room for the client's max_tokens: the router tells P the decode leg's
+    max_tokens (decode_max_tokens), so P refuses it as D would, before its engine sees it (no prefill spent),
+    and the client gets the 400 with both numbers. A prompt that fits beside its max_tokens still runs."""
+    p, d = (cl.p_pull, cl.d_pull) if mode == "pull" else (cl.p_push, cl.d_push)
+    router = cl.router(mode, p, d)
+    rid = f"too-long-{mode}-{uuid.uuid4().hex[:6]}"
+    resp = completion(router.url, PROMPT, {"X-Request-Id": rid}, max_tokens=200)  # 91 + 200 > 256
+    assert resp.status_code == 400, resp.text
+    assert "max_tokens is 200" in error_message(resp) and "max_model_len 256" in error_message(resp)
+    entries = httpx.get(p.url + "/timeline", timeout=10).json()
+    assert all(e["client_request_id"] != rid for e in entries), "P's engine ran the prefill of a refused request"
+    assert answer(completion(router.url, PROMPT, max_tokens=165)) == answer(
+        completion(cl.ref.url, PROMPT, max_tokens=165)
+    )
+    assert_all_free(p, d)
+
+
 def test_malformed_kv_transfer_params_are_a_400_naming_the_key(cl: Cluster) -> None:
     """kv_transfer_params are parsed at the HTTP edge: a malformed set is a 400 that names the key, before the
     engine saw the request (no timeline entry, nothing allocated); D keeps serving."""

@@ -17,12 +17,14 @@ from pdserve.transfer.params_decode import decode, decode_answer
 
 PULL = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5600, "remote_block_ids": [0, 1],
         "remote_request_id": "r", "remote_num_tokens": 20, "transfer_mode": "pull"}  # fmt: skip
+REMOTE_DECODE = {"do_remote_decode": True, "decode_max_tokens": 8}
 PUSH = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1", "remote_port": 5600,
         "transfer_mode": "push"}  # fmt: skip
 
 VALUES = [
     RemoteDecode(None, None),
     RemoteDecode(Mode.PUSH, "t1"),
+    RemoteDecode(None, None, None, 300),
     PullSource("127.0.0.1", 5600, "p-1", "req-7", (3, 1, 2), 40, 16, 1),
     PullSource("h", 1, None, "r", (), 0, None),
     PushSource("t2", "127.0.0.1", 65535, "p-1", 2),
@@ -35,7 +37,7 @@ def test_round_trip(value):
     assert decode(encode(value)) == value
 
 
-@pytest.mark.parametrize("value", [VALUES[2], PushAnswer("t", "p-1"), Refusal("no transfer id")], ids=repr)
+@pytest.mark.parametrize("value", [VALUES[3], PushAnswer("t", "p-1"), Refusal("no transfer id")], ids=repr)
 def test_answer_round_trip(value):
     assert decode_answer(encode(value)) == value
 
@@ -94,6 +96,9 @@ BAD = [
     (PUSH, "transfer_mode", "teleport", "'pull' or 'push'"),
     (PUSH, "do_remote_prefill", "yes", "true or false"),
     (PUSH, "do_remote_decode", True, "together"),
+    (REMOTE_DECODE, "decode_max_tokens", 0, r"\[1, "),
+    (REMOTE_DECODE, "decode_max_tokens", "9", "must be an integer"),
+    (REMOTE_DECODE, "decode_max_tokens", True, "must be an integer"),
 ]
 
 
