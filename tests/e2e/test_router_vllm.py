@@ -85,7 +85,8 @@ def test_vllm_prefill_answer_reaches_decode_verbatim(launcher: Launcher, vllm_d:
         launcher.wait_ready()
         resp = post(router.url, "/v1/completions", {"prompt": list(range(200)), "max_tokens": 4})
         assert resp.status_code == 200, resp.text
-        assert vllm_p.seen == [{"do_remote_decode": True}]
+        # decode_max_tokens is pdserve's (P refuses early); vLLM 0.32's NixlConnector reads its keys with .get
+        assert vllm_p.seen == [{"do_remote_decode": True, "decode_max_tokens": 4}]
         assert vllm_d.seen == [VLLM_ANSWER]  # nested block ids, dcp_size, expiry: untouched
         assert resp.json()["kv_transfer_params"] == VLLM_ANSWER
 
