@@ -25,7 +25,13 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-side-channel-host", default=None, help="address peers reach the handshake side channel at (127.0.0.1)"
     )
-    g.add_argument("--kv-side-channel-port", type=port, default=None, help="handshake side-channel port (5600)")
+    g.add_argument(
+        "--kv-side-channel-port",
+        type=port,
+        default=None,
+        help="handshake side-channel port (5600; 0: a free port, which peers learn from P's answer and "
+        "/kv_transfer/info; two instances on one host need different ones)",
+    )
     g.add_argument(
         "--kv-buffer-device", choices=["device", "cpu"], default=None, help="where transferred KV lives (device)"
     )

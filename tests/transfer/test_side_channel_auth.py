@@ -103,3 +103,9 @@ def test_idle_connections_closed_and_connections_capped(monkeypatch: pytest.Monk
         assert isinstance(wire.decode(raw_exchange(side.port, sealed)), wire.Sealed)  # served again
     finally:
         side.close()
+
+
+def test_a_port_in_use_is_refused_with_what_to_do(server: SideChannel) -> None:
+    """Two instances on one host with the default port: the second one's error says how to start both."""
+    with pytest.raises(OSError, match=r"cannot bind 127\.0\.0\.1:\d+: .*--kv-side-channel-port, or 0 for a free one"):
+        SideChannel("127.0.0.1", server.port)

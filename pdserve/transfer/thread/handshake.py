@@ -19,6 +19,7 @@ connections a new one is closed at once (a peer holds one connection per request
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import socket
@@ -114,7 +115,11 @@ class SideChannel:
             self._sock.bind((host, port))
         except OSError as e:
             self._sock.close()
-            raise OSError(f"side channel cannot bind {host}:{port}: {e}") from None
+            hint = ""
+            if e.errno == errno.EADDRINUSE:
+                hint = (" (another instance on this host? give each its own --kv-side-channel-port, or 0 for a"
+                        " free one: peers learn it from the kv_transfer_params and /kv_transfer/info)")  # fmt: skip
+            raise OSError(f"side channel cannot bind {host}:{port}: {e}{hint}") from None
         self._sock.listen(128)
         self._sock.setblocking(False)
         self.host = advertised_address(host)  # what peers dial (and UCX's interface)
