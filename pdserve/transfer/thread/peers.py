@@ -122,10 +122,10 @@ class Peers:
         like connect(); callback({rank: peer}, None) once all answered, or callback(None, error) at the first
         failure. Every rank must say it is that rank of the same engine and TP size."""
         peers: dict[int, Peer] = {}
-        failed: list[str] = []  # the first error (then nothing more is reported)
+        over: list[bool] = []  # callback was called (every rank answered, or the first failure): nothing more
 
         def on_rank(rank: int, peer: Peer | None, error: str | None) -> None:
-            if failed:
+            if over:
                 return
             size = peers[0].info.tp_size if rank else (peer.info.tp_size if peer is not None else 1)
             if peer is not None and (peer.info.tp_rank != rank or peer.info.tp_size != size):
@@ -134,14 +134,15 @@ class Peers:
             elif peer is not None and rank == 0 and size > 1 and len(peer.info.rank_ports) != size:
                 error = f"{host}: rank 0 announced {size} ranks but {len(peer.info.rank_ports)} side-channel ports"
             if error is not None or peer is None:
-                failed.append(error or "no peer")
+                over.append(True)
                 callback(None, error)
                 return
             peers[rank] = peer
-            if rank == 0:
+            if rank == 0:  # a cached rank answers inside connect(), re-entering on_rank: it may complete the set
                 for r in range(1, size):
                     self.connect(host, peer.info.rank_ports[r], peer.engine_id, load_me, rank_callback(r))
-            if len(peers) == size:
+            if len(peers) == size and not over:
+                over.append(True)
                 callback(dict(peers), None)
 
         def rank_callback(rank: int) -> PeerCallback:
