@@ -81,6 +81,8 @@ class PinKeeper:
         num_consumers = consumer.info.tp_size if consumer is not None else 1
         pin.released_by.add(sender)
         pin.ok, pin.num_bytes = pin.ok and msg.ok, pin.num_bytes + msg.num_bytes
+        d_rank = consumer.info.tp_rank if consumer is not None else 0
+        self.ctx.sink.event(rid, f"pull_release.p{self.ctx.spec.tp_rank}.r{d_rank}")  # one per (P rank, D rank)
         self._ack(sender, msg, True, "")
         if len(pin.released_by) >= num_consumers:
             del self.pinned[rid]

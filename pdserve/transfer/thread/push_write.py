@@ -76,6 +76,7 @@ def post_write(ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPa
             ctx.peers.forget(peer)
         return WriteOver(False, f"WRITE to {peer.engine_id} rank {d_rank} not posted: {e}")
     ctx.sink.event(send.request_id, "transfer_posted", posted_wall)
+    ctx.sink.event(send.request_id, f"write.p{ctx.spec.tp_rank}.r{d_rank}", posted_wall)  # one per (P rank, D rank)
     if x.xfer is not None:
         ctx.sink.posted(x.xfer.num_descs, x.xfer.post_seconds)
     return check_write(ctx, x, d_rank)
