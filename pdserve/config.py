@@ -81,6 +81,9 @@ class TransferConfig:
     push_registration_timeout_s: float = 30.0  # P drops a registration for a transfer it has no request for
     recv_timeout_s: float = 60.0  # D fails (or recomputes) a request whose KV has not landed by then
     load_failure_policy: Literal["fail", "recompute"] = "fail"
+    # --kv-checksum: P sums every transferred part, D sums what it received and runs the request only if they
+    # match (a mismatch fails it by load_failure_policy); both ends must agree (transfer/checksum.py)
+    kv_checksum: bool = False
     # Liveness (docs/architecture.md, "Liveness"): a peer this instance holds state for is pinged this often on
     # its side channel; one silent for peer_timeout_s (or answering as another process) is dead: its requests
     # fail (or recompute) at once. peer_timeout_s also bounds D's wait for P's PullReleaseAck (restarted after

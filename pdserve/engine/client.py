@@ -88,6 +88,7 @@ class EngineStats:
     num_engine_steps: int = 0  # LLMEngine.step() calls so far
     transfer_hook_seconds: float = 0.0  # engine-thread seconds spent in the connector hooks so far
     num_step_failures: int = 0  # steps that raised; their requests failed, the loop went on
+    kv_checksum_failures: int = 0  # --kv-checksum: recvs whose KV did not match P's sums (failed or recomputed)
     ttft_seconds: list[float] = field(default_factory=list)  # observations drained since the last stats()
     transfer_seconds: list[float] = field(default_factory=list)  # drained since the last stats()
     transfer_descriptors: list[int] = field(default_factory=list)  # per posted READ/WRITE, drained likewise

@@ -280,6 +280,7 @@ class LLMEngine:
             transfers_ok=t.transfers_ok,
             transfers_failed=t.transfers_failed,
             transfers_expired=t.transfers_expired,
+            kv_checksum_failures=t.checksum_failures,
             num_engine_steps=self.num_steps,
             transfer_hook_seconds=self.transfer_hook_seconds,
             num_step_failures=self.num_step_failures,

@@ -47,6 +47,11 @@ COUNTERS = (  # metric name without _total, EngineStats field, help
     ("pdserve_engine_steps", "num_engine_steps", "Engine loop steps"),
     ("pdserve_engine_step_failures", "num_step_failures", "Engine steps that raised (their requests failed)"),
     (
+        "pdserve_kv_checksum_failures",
+        "kv_checksum_failures",
+        "Received KV that did not match the prefill's checksum (--kv-checksum; the request failed or recomputed)",
+    ),
+    (
         "pdserve_engine_transfer_hook_seconds",
         "transfer_hook_seconds",
         "Engine-loop time spent handing work to and taking results from the KV transfer thread",

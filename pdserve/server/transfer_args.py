@@ -74,6 +74,13 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         help="on a failed or timed-out receive: fail the request, or prefill it locally (default fail)",
     )
     g.add_argument(
+        "--kv-checksum",
+        action="store_true",
+        default=None,
+        help="sum every transferred KV block on both sides; a mismatch fails the request (or recomputes it, by "
+        "--kv-load-failure-policy). Prefill and decode instances must both set it (default off)",
+    )
+    g.add_argument(
         "--kv-auth-secret",
         default=None,
         metavar="VALUE",
@@ -114,6 +121,7 @@ def transfer_config_from(args: argparse.Namespace, faults: Faults = NO_FAULTS) -
         "load_failure_policy": args.kv_load_failure_policy,
         "heartbeat_s": args.kv_heartbeat_s,
         "peer_timeout_s": args.kv_peer_timeout_s,
+        "kv_checksum": args.kv_checksum,
     }
     transfer.update({k: v for k, v in flags.items() if v is not None})
     secret = load_secret(args.kv_auth_secret, args.kv_auth_secret_file)

@@ -183,6 +183,7 @@ class TransferStats:
     transfer_seconds: list[float] = field(default_factory=list)  # durations since the last snapshot
     # one entry per READ/WRITE posted since the last snapshot: (descriptors, seconds NIXL took to accept it)
     posts: list[tuple[int, float]] = field(default_factory=list)
+    checksum_failures: int = 0  # --kv-checksum: recvs whose received KV did not match the producer's sums
 
 
 class ConnectorScheduler(ABC):

@@ -5,7 +5,7 @@ tests/e2e/serve_with_faults.py does) or to the connectors (TransferConfig.faults
 variable. The default, NO_FAULTS, costs one comparison per fault point.
 The fault suite (tests/transfer/test_faults.py) drops, duplicates, delays and so reorders notifications by
 message type on receipt, fails NIXL posts, delays a pull's READ past a short lease, and holds chosen READs in
-flight (so acks wait behind them).
+flight (so acks wait behind them); the checksum tests flip a received byte (flip_kv_byte).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class Faults:
     # queued behind others in one ordered stream (UCX's emulated GET) does; the others' acks wait behind them
     slow_reads: tuple[str, ...] = ()
     slow_read_s: float = 0.0
+    # D (--kv-checksum): one byte of every recv's received KV is flipped once it landed, before D verifies it, as
+    # a corruption in transit would (thread/kv_verify.py)
+    flip_kv_byte: bool = False
 
     def __post_init__(self) -> None:
         for point in FaultPoint:

@@ -21,7 +21,8 @@ from pdserve.transfer.params_decode import decode as decode_params
 # 1: StepMeta and TransferResults + TransferStats between the ranks of one instance (2026-12-03).
 # 2: RecvTask/SendTask block_tables (sliding-window models: a table per KV group) (2026-12-04).
 # 3: TransferResults.landed_from (per finished recv, each KV group's first token landed) (2026-12-05).
-RANKS_VERSION = 3
+# 4: TransferStats.checksum_failures (--kv-checksum) (2026-12-03).
+RANKS_VERSION = 4
 
 
 class RanksError(ValueError):
@@ -62,7 +63,7 @@ def encode_results(res: TransferResults, stats: TransferStats) -> bytes:
          "cancelled_recvs": res.cancelled_recvs, "finished_sends": res.finished_sends, "events": res.events,
          "landed_from": [[rid, list(firsts)] for rid, firsts in res.landed_from.items()],
          "stats": [stats.sent_bytes, stats.received_bytes, stats.transfers_ok, stats.transfers_failed,
-                   stats.transfers_expired, stats.transfer_seconds, stats.posts]},
+                   stats.transfers_expired, stats.transfer_seconds, stats.posts, stats.checksum_failures]},
     )  # fmt: skip
 
 
@@ -73,7 +74,7 @@ def decode_results(data: bytes) -> tuple[TransferResults, TransferStats]:
                           [(a, b, c) for a, b, c in m["events"]],
                           {rid: tuple(firsts) for rid, firsts in m["landed_from"]})  # fmt: skip
     s = m["stats"]
-    stats = TransferStats(s[0], s[1], s[2], s[3], s[4], list(s[5]), [(a, b) for a, b in s[6]])
+    stats = TransferStats(s[0], s[1], s[2], s[3], s[4], list(s[5]), [(a, b) for a, b in s[6]], s[7])
     return res, stats
 
 
@@ -167,5 +168,5 @@ def add_stats(a: TransferStats, b: TransferStats) -> TransferStats:
     return TransferStats(
         a.sent_bytes + b.sent_bytes, a.received_bytes + b.received_bytes, a.transfers_ok + b.transfers_ok,
         a.transfers_failed + b.transfers_failed, a.transfers_expired + b.transfers_expired,
-        a.transfer_seconds + b.transfer_seconds, a.posts + b.posts,
+        a.transfer_seconds + b.transfer_seconds, a.posts + b.posts, a.checksum_failures + b.checksum_failures,
     )  # fmt: skip

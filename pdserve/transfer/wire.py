@@ -38,7 +38,9 @@ from pdserve.transfer.wire_notifs import (
 #    hash) and PushRegister.block_tables (D's table per group) (2026-12-04).
 # 8: heads before tokens inside a block, [blocks, layers, 2, heads, block_size, head_dim] (addresses differ; a
 #    partial last block is sent whole) (2026-12-01).
-WIRE_VERSION = 8
+# 9: --kv-checksum: PeerInfo.kv_checksum (in the compatibility hash), PushDone.checksum, PullRelease.checksum_heads
+#    / .checksum_ranges and PullReleaseAck.checksum (transfer/checksum.py) (2026-12-03).
+WIRE_VERSION = 9
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 
@@ -74,6 +76,7 @@ class PeerInfo:
     epoch: int  # this process's start (time.time_ns()): a restarted peer at the same address has another
     group_windows: list[int]  # per KV group (model/kv_groups.py): its sliding window, 0 = the whole context
     group_layers: list[list[int]]  # per KV group: its model layer indices (slot j of a block holds layers[j])
+    kv_checksum: bool = False  # --kv-checksum: every transfer's KV is summed on both sides (transfer/checksum.py)
 
     @property
     def is_windowed(self) -> bool:

@@ -2,9 +2,9 @@
 both sides' values.
 
 Two instances agree on COMPAT_FIELDS (model, dtype, layers, the model's KV heads, head size, mode, wire
-version, KV groups) or their KV cannot move between them; their tensor-parallel sizes must also map (heads.py).
-Block sizes may differ (layout.group_ranges translates). Kept apart from wire.py's codec: this is a policy
-over PeerInfo, checked once per handshake on both sides (thread/worker.py, thread/peers.py).
+version, KV groups, --kv-checksum) or their KV cannot move between them; their tensor-parallel sizes must also
+map (heads.py). Block sizes may differ (layout.group_ranges translates). Kept apart from wire.py's codec: this
+is a policy over PeerInfo, checked once per handshake on both sides (thread/worker.py, thread/peers.py).
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from pdserve.transfer.wire import PeerInfo
 
 COMPAT_FIELDS = (
     "model_name", "dtype", "num_layers", "total_kv_heads", "head_dim", "transfer_mode", "wire_version",
-    "group_windows", "group_layers",
+    "group_windows", "group_layers", "kv_checksum",
 )  # fmt: skip
+COMPAT_DEFAULTS = {"kv_checksum": False}  # fields a caller of compat_hash may leave out (PeerInfo's defaults)
 
 
 def compat_hash(values: dict[str, Any]) -> str:
     """Hash over the fields two instances must agree on (COMPAT_FIELDS)."""
+    values = {**COMPAT_DEFAULTS, **values}
     packed = msgpack.packb([[k, values[k]] for k in COMPAT_FIELDS], use_bin_type=True)
     return hashlib.sha256(packed).hexdigest()[:16]
 
@@ -42,6 +44,9 @@ def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = F
             continue
         if name == "transfer_mode":
             diffs.append(f"peer is in {theirs} mode, this instance is in {mine} mode")
+        elif name == "kv_checksum":  # both ends must sum, or a transfer would go unchecked (or fail)
+            on = {True: "on", False: "off"}
+            diffs.append(f"--kv-checksum is {on[theirs]} on the peer, {on[mine]} on this instance")
         elif name in ("group_windows", "group_layers"):
             words = f"KV groups: peer has {_groups(peer)}, this instance has {_groups(local)}"
             diffs += [words] if words not in diffs else []

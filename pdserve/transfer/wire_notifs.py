@@ -9,7 +9,7 @@ family next to the protocol that sends them (thread/pull*.py, thread/push*.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class PullRelease:
     ok: bool  # False: D gave up (P counts the transfer as failed)
     num_bytes: int  # bytes D read
     block_ids: list[int]  # P's blocks D read from (as in P's answer); P frees only a pin with exactly these
+    # --kv-checksum: the part of this P rank's KV D read, for P to sum (checksum.py) and answer in the ack:
+    checksum_heads: list[int] = field(default_factory=list)  # [first head of P's rank, count]; []: none asked
+    checksum_ranges: list[list[int]] = field(default_factory=list)  # per KV group, tokens [first, end) read
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class PullReleaseAck:
     request_id: str  # P's request id, as in the release
     held: bool
     reason: str  # why not held ("" when held)
+    checksum: list[int] = field(default_factory=list)  # [s1, s2] P's sums of what the release asked; [] none
 
 
 @dataclass(frozen=True)
@@ -67,14 +71,16 @@ class PushDone:
     producer_rank: int
     num_producers: int  # completions D must count before the request may run
     num_bytes: int
+    checksum: list[int] = field(default_factory=list)  # --kv-checksum: [s1, s2] of this rank's part; [] off
 
 
 @dataclass(frozen=True)
 class PushCancel:
-    """Notification D -> P (push): D gives up on this attempt; answer with PushCancelAck."""
+    """Notification D -> P (push): D gives up on this attempt; answer with PushCancelAck. P gives the transfer
+    up too (frees its prefill now) unless that D rank registered a newer attempt or this one's data landed."""
 
     transfer_id: str
-    attempt: int
+    attempt: int  # -1: D refused the request before registering (thread/give_back.py); not answered
 
 
 @dataclass(frozen=True)

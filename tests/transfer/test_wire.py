@@ -17,7 +17,14 @@ from pdserve.transfer.wire import (
     encode,
 )
 from pdserve.transfer.wire_compat import compat_hash, incompatibility
-from pdserve.transfer.wire_notifs import PullRelease, PullReleaseAck, PushCancelAck, PushQueued, PushRegister
+from pdserve.transfer.wire_notifs import (
+    PullRelease,
+    PullReleaseAck,
+    PushCancelAck,
+    PushDone,
+    PushQueued,
+    PushRegister,
+)
 
 
 def info(**kw) -> PeerInfo:
@@ -38,6 +45,9 @@ def info(**kw) -> PeerInfo:
         Ping(),
         PullRelease("r1", True, 123, [4, 5]),
         PullReleaseAck("r1", False, "the lease expired"),
+        PullRelease("r1", True, 123, [4, 5], [1, 2], [[0, 31], [16, 31]]),  # --kv-checksum: what D asks P to sum
+        PullReleaseAck("r1", True, "", [12345, -(1 << 63)]),  # (int64 sums, signed)
+        PushDone("t1", 0, 1, 2, 4096, [7, (1 << 63) - 1]),
         Pong("e1", "a1", 7),
         PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0, 15000, []),
         PushRegister("t1", 2, "d", [1, 2, 3], 16, 16, 31, 0, 15000, [[1, 2, 3], [-1, 4, 5]]),
@@ -62,7 +72,16 @@ def test_round_trip(msg):
         (msgpack.packb({"type": "PullRelease", "v": WIRE_VERSION, "request_id": "r"}), "missing fields"),
         (
             msgpack.packb(
-                {"type": "PullRelease", "v": WIRE_VERSION, "request_id": 1, "ok": True, "num_bytes": 1, "block_ids": []}
+                {
+                    "type": "PullRelease",
+                    "v": WIRE_VERSION,
+                    "request_id": 1,
+                    "ok": True,
+                    "num_bytes": 1,
+                    "block_ids": [],
+                    "checksum_heads": [],
+                    "checksum_ranges": [],
+                }
             ),
             "expected str",
         ),  # fmt: skip
@@ -87,7 +106,16 @@ def test_round_trip(msg):
         ),  # fmt: skip
         (
             msgpack.packb(
-                {"type": "PullRelease", "v": WIRE_VERSION, "request_id": "r", "ok": 1, "num_bytes": 1, "block_ids": []}
+                {
+                    "type": "PullRelease",
+                    "v": WIRE_VERSION,
+                    "request_id": "r",
+                    "ok": 1,
+                    "num_bytes": 1,
+                    "block_ids": [],
+                    "checksum_heads": [],
+                    "checksum_ranges": [],
+                }
             ),
             "expected bool",
         ),  # fmt: skip
@@ -140,3 +168,12 @@ def test_any_block_sizes_pair_windowed_or_not():
     assert incompatibility(info(block_size=4, **windowed), info(block_size=16, **windowed)) is None
     assert incompatibility(info(block_size=16, **windowed), info(block_size=4, **windowed)) is None
     assert incompatibility(info(block_size=4), info(block_size=8)) is None  # full attention
+
+
+def test_kv_checksum_setting_must_agree():
+    """--kv-checksum on one side only: the handshake is refused, naming both settings."""
+    assert incompatibility(info(kv_checksum=True), info(kv_checksum=True)) is None
+    err = incompatibility(info(kv_checksum=True), info(kv_checksum=False))
+    assert "--kv-checksum is off on the peer, on on this instance" in err
+    err = incompatibility(info(), info(kv_checksum=True))
+    assert "--kv-checksum is on on the peer, off on this instance" in err

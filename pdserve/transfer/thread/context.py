@@ -9,6 +9,7 @@ import numpy as np
 
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import KVCacheSpec, StepMeta
+from pdserve.transfer.checksum import KVChecksum
 from pdserve.transfer.heads import sources
 from pdserve.transfer.layout import BlockLayout, Heads
 from pdserve.transfer.staging import Stager
@@ -35,6 +36,7 @@ class TransferContext:
     sink: ResultSink
     peers: Peers
     stager: Stager | None = None  # kv_buffer_device "cpu" with a CUDA cache: NIXL moves a host mirror (staging.py)
+    checksum: KVChecksum | None = None  # --kv-checksum: sums over the registered buffer (checksum.py, kv_verify.py)
 
     def heads_from(self, producer: PeerInfo) -> dict[int, Heads]:
         """Consumer side: producer rank -> the head slice this rank receives from it (heads.py); ranks missing

@@ -23,6 +23,7 @@ from pdserve.transfer.layout import LayoutError, descriptors, group_segments, nu
 from pdserve.transfer.params import PullSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
 from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.kv_verify import consumer_sums, mismatch, release_request
 from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.thread.pull_confirm import ConfirmDeadline
@@ -183,7 +184,7 @@ class PullCore:
             self._end(rid, rd, None)
             return
         for p_rank, peer in rd.peers.items():
-            rel = rd.release(p_rank, ok=True)
+            rel = rd.release(p_rank, ok=True, check=release_request(self.ctx, rd.task, rd.peers[0].info, p_rank))
             try:
                 self.ctx.agent.send_notif(peer.agent_name, encode(rel))
             except AgentError as e:
@@ -197,6 +198,7 @@ class PullCore:
             self.confirming[(peer.agent_name, rd.remote.request_id)] = rid
         rd.released_at = time.monotonic()
         self.deadline.start(rid, rd)
+        rd.sums = consumer_sums(self.ctx, rd.task, rd.peers[0].info)  # --kv-checksum, while P sums its side
 
     def _on_ack(self, sender: str, msg: PullReleaseAck) -> None:
         rid = self.confirming.pop((sender, msg.request_id), None)
@@ -206,6 +208,7 @@ class PullCore:
             return
         p_rank = next((r for r, p in rd.peers.items() if p.agent_name == sender), -1)
         rd.unacked.discard(p_rank)
+        rd.sent_sums[p_rank] = msg.checksum
         self.ctx.sink.event(rid, f"pull_ack.r{self.ctx.spec.tp_rank}.p{p_rank}")
         if not msg.held:
             self._end(rid, rd, f"the prefill instance's pin did not hold until the READ was over ({msg.reason})")
@@ -213,6 +216,8 @@ class PullCore:
             return  # other P ranks still to confirm
         elif rd.cancelled:
             self._end(rid, rd, None)
+        elif (bad := mismatch(self.ctx, rd.sums, rd.sent_sums, rd.remote.engine_id)) is not None:
+            self._end(rid, rd, bad)
         else:  # staging: the data is in the mirror; copy it into the KV cache before reporting
             if self.ctx.stager is not None:
                 rd.state = ReadState.STAGING

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.thread.agent import AgentError
 from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.kv_verify import release_sums
 from pdserve.transfer.thread.results import SendOutcome
 from pdserve.transfer.wire import encode
 from pdserve.transfer.wire_notifs import PullRelease, PullReleaseAck
@@ -83,19 +84,19 @@ class PinKeeper:
         pin.ok, pin.num_bytes = pin.ok and msg.ok, pin.num_bytes + msg.num_bytes
         d_rank = consumer.info.tp_rank if consumer is not None else 0
         self.ctx.sink.event(rid, f"pull_release.p{self.ctx.spec.tp_rank}.r{d_rank}")  # one per (P rank, D rank)
-        self._ack(sender, msg, True, "")
+        self._ack(sender, msg, True, "", release_sums(self.ctx, send, msg) if msg.ok else [])  # (still pinned)
         if len(pin.released_by) >= num_consumers:
             del self.pinned[rid]
             self.ctx.sink.send_finished(rid, SendOutcome.OK if pin.ok else SendOutcome.FAILED, pin.num_bytes)
 
-    def _ack(self, sender: str, msg: PullRelease, held: bool, reason: str) -> None:
+    def _ack(self, sender: str, msg: PullRelease, held: bool, reason: str, checksum: list[int] | None = None) -> None:
         if not msg.ok:
             return  # D gave up: it waits for no answer
         if self.ctx.peers.by_agent(sender) is None:
             log.warning("pull: release of %s from unknown agent %s; not answered", msg.request_id, sender)
             return
         try:
-            self.ctx.agent.send_notif(sender, encode(PullReleaseAck(msg.request_id, held, reason)))
+            self.ctx.agent.send_notif(sender, encode(PullReleaseAck(msg.request_id, held, reason, checksum or [])))
         except AgentError as e:  # D fails the recv after peer_timeout_s
             log.warning("pull: could not answer the release of %s: %s", msg.request_id, e)
 

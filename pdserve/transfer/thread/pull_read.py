@@ -44,6 +44,8 @@ class Read:
     released_at: float = 0.0  # time.monotonic() the releases after the READ were sent (CONFIRMING)
     confirm_at: float = 0.0  # the armed confirmation timer's due time (an older timer is stale)
     late: bool = False  # the armed timer is the one extra turn given after a timer that fired late
+    sums: dict[int, list[int]] = field(default_factory=dict)  # --kv-checksum: P rank -> D's sums of its part
+    sent_sums: dict[int, list[int]] = field(default_factory=dict)  # P rank -> the sums its PullReleaseAck carried
 
     @property
     def peer(self) -> Peer | None:
@@ -54,13 +56,13 @@ class Read:
     def num_bytes(self) -> int:
         return sum(x.num_bytes for x in self.xfers.values())
 
-    def release(self, p_rank: int, ok: bool) -> PullRelease:
+    def release(self, p_rank: int, ok: bool, check: tuple[list[int], list[list[int]]] = ([], [])) -> PullRelease:
         """The PullRelease telling P rank p_rank this rank is done with its pin (ok: with the bytes read), marking
-        that rank told (each is told exactly once)."""
+        that rank told (each is told exactly once); check: the part P is to sum (kv_verify.release_request)."""
         self.released.add(p_rank)
         xfer = self.xfers.get(p_rank)
         nbytes = xfer.num_bytes if ok and xfer is not None else 0
-        return PullRelease(self.remote.request_id, ok, nbytes, list(self.remote.block_ids))
+        return PullRelease(self.remote.request_id, ok, nbytes, list(self.remote.block_ids), *check)
 
     def ack_keys(self) -> list[tuple[str, str]]:
         """(P rank's agent, P's request id): how each P rank's PullReleaseAck finds this read."""

@@ -35,6 +35,7 @@ from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.params import PushSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone
 from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.kv_verify import consumer_sums, mismatch
 from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.thread.push_wait import CancelWhy, RecvEnd, Wait, WaitState
@@ -118,6 +119,7 @@ class RecvSide:
         self.ctx.sink.event(rid, f"push_done.r{self.ctx.spec.tp_rank}.p{msg.producer_rank}")
         w.done_ranks.add(msg.producer_rank)
         w.num_bytes += msg.num_bytes
+        w.sums[msg.producer_rank] = msg.checksum
         self._maybe_over(rid, w)
 
     def on_queued(self, msg: PushQueued, now: float) -> None:
@@ -155,7 +157,12 @@ class RecvSide:
             self._end(rid, w, w.unlanded_end, w.fail_reason)
 
     def _landed(self, rid: str, w: Wait) -> None:
-        """Every producer's data landed. Staging: it is in the mirror; copy it into the KV cache first."""
+        """Every producer's data landed. --kv-checksum: it must match P's sums (kv_verify.py). Staging: it is in the
+        mirror; copy it into the KV cache first."""
+        ours = consumer_sums(self.ctx, w.task, w.peers[0].info)
+        if (bad := mismatch(self.ctx, ours, w.sums, w.remote.engine_id)) is not None:
+            self._end(rid, w, RecvEnd.FAILED, bad)
+            return
         if self.ctx.stager is not None:
             w.state = WaitState.STAGING  # a cancel now ends the recv at once: nothing more lands, the copy is skipped
 

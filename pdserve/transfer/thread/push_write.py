@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.heads import num_producers
 from pdserve.transfer.layout import LayoutError, descriptors, group_ranges, group_segments, pad_last_blocks
 from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
 from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.kv_verify import producer_sums
 from pdserve.transfer.thread.push_rendezvous import DestPart
 from pdserve.transfer.wire import Message, encode
 from pdserve.transfer.wire_notifs import PushDone, PushRegister
@@ -61,16 +62,19 @@ def post_write(ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPa
         return WriteOver(True, None)
     nbytes = int(local[:, 1].sum()) if len(local) else 0
     n_prod = num_producers(ctx.spec.model_kv_heads, ctx.spec.tp_size, peer.info.tp_size, d_rank)
-    done = encode(PushDone(transfer_id, msg.attempt, ctx.spec.tp_rank, n_prod, nbytes))
+    done = PushDone(transfer_id, msg.attempt, ctx.spec.tp_rank, n_prod, nbytes)
     x.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the WRITE
     try:
         if msg.num_tokens == 0:
-            ctx.agent.send_notif(peer.agent_name, done)
+            ctx.agent.send_notif(peer.agent_name, encode(done))
         else:
+            ranges = _ranges(ctx, msg, peer.layout.block_size)
             if ctx.stager is not None:  # KV cache -> host mirror, exactly the blocks this WRITE reads
-                for table, (first, end) in zip(send.tables, _ranges(ctx, msg, peer.layout.block_size), strict=True):
+                for table, (first, end) in zip(send.tables, ranges, strict=True):
                     ctx.stager.stage_out(table, first, end - first)
-            x.xfer = ctx.post("WRITE", local, remote, peer.agent_name, done, peer.info.memory)
+            if ctx.checksum is not None:  # over what the WRITE reads (the mirror when staged): kv_verify.py
+                done = replace(done, checksum=producer_sums(ctx, send.tables, ranges, heads))
+            x.xfer = ctx.post("WRITE", local, remote, peer.agent_name, encode(done), peer.info.memory)
     except (AgentError, RuntimeError) as e:
         if isinstance(e, PeerGone):
             ctx.peers.forget(peer)

@@ -76,6 +76,11 @@ class ResultSink:
         with self._lock:
             self._stats.posts.append((num_descs, post_seconds))
 
+    def checksum_failed(self) -> None:
+        """A recv's received KV did not match the producer's checksum (--kv-checksum; its recv_failed follows)."""
+        with self._lock:
+            self._stats.checksum_failures += 1
+
     def event(self, request_id: str, name: str, t: float | None = None) -> None:
         """A timeline event; does not wake the engine (it is picked up with the next result)."""
         with self._lock:
@@ -93,7 +98,7 @@ class ResultSink:
             s = self._stats
             snap = TransferStats(
                 s.sent_bytes, s.received_bytes, s.transfers_ok, s.transfers_failed, s.transfers_expired,
-                s.transfer_seconds, s.posts,
+                s.transfer_seconds, s.posts, s.checksum_failures,
             )  # fmt: skip
             s.transfer_seconds, s.posts = [], []
         return snap

@@ -17,6 +17,7 @@ from typing import Any
 
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import ConnectorWorker, KVCacheSpec, StepMeta, TransferResults, TransferStats
+from pdserve.transfer.checksum import KVChecksum
 from pdserve.transfer.faults import NO_FAULTS
 from pdserve.transfer.layout import BlockLayout, live_ranges
 from pdserve.transfer.staging import make_stager
@@ -94,6 +95,7 @@ def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent, ep
         group_layers=(
             [list(g.layers) for g in spec.kv_groups.groups] if spec.kv_groups else [list(range(spec.num_layers))]
         ),
+        kv_checksum=cfg.kv_checksum,
     )
     return PeerInfo(
         engine_id=cfg.engine_id,
@@ -143,9 +145,11 @@ class NixlWorker(ConnectorWorker):
         agent = NixlAgent(name, kv_cache, spec)
         local = local_peer_info(self.cfg, spec, agent, self.epoch)
         peers = Peers(agent, local, self.side, self.thread, self.cfg.heartbeat_s, self.cfg.peer_timeout_s)
+        checksum = KVChecksum(kv_cache) if self.cfg.kv_checksum else None  # over what NIXL moves (the mirror)
         self.ctx = TransferContext(
-            self.cfg, spec, BlockLayout.from_spec(spec), agent, local, self.side, self.thread, self.sink, peers, stager
-        )
+            self.cfg, spec, BlockLayout.from_spec(spec), agent, local, self.side, self.thread, self.sink, peers, stager,
+            checksum,
+        )  # fmt: skip
 
     def start(self, wakeup: Callable[[], None]) -> None:
         # Start order: transfer thread, then side channel (a handshake may post work to the thread at once).
