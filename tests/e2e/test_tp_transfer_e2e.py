@@ -14,7 +14,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
 
