@@ -1,5 +1,5 @@
 """What the instance server and the router share over HTTP: the request-id header, the error shape, noticing
-that a client went away, and the request-body size limit.
+that a client went away, and the request-body size limit (who may call which route: credentials.py).
 
 Light on purpose (starlette and pydantic only): the router imports this and nothing of `pdserve.server`, and
 neither imports the engine or torch through it.
@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.credentials import INTERNAL_CALLER, Credentials, RouteRole
+
 T = TypeVar("T")
 
 REQUEST_ID_HEADER = "X-Request-Id"  # a client's id for its request: logged and echoed, never an engine key
@@ -32,6 +34,7 @@ MAX_REQUEST_HEAD_BYTES = 64 * 1024
 ERROR_TYPES = {  # HTTP status -> OpenAI error type
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",  # an unsigned, forged, expired or replayed kv_capability
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_exceeded",
@@ -115,37 +118,56 @@ async def race_disconnect(awaitable: Awaitable[T], request: Request) -> T:
                     await t
 
 
-OPEN_PATHS = ("/health",)  # answered without an API key (load balancers and orchestrators poll it)
+class RoleAuth:
+    """ASGI middleware: answers 401 unless the request presents a credential its route's role accepts (the
+    table in the module docstring); comparisons take the same time whatever was sent."""
 
-
-class ApiKeyAuth:
-    """ASGI middleware: every HTTP path except OPEN_PATHS needs `Authorization: Bearer <api_key>`; anything
-    else is answered 401 (the comparison takes the same time whatever the key sent)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        if not api_key:
-            raise ValueError("an empty API key protects nothing")
+    def __init__(self, app: ASGIApp, credentials: Credentials) -> None:
+        if not credentials.is_enabled:
+            raise ValueError("no key set: nothing to check")
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self.credentials = credentials
+        self._client = f"Bearer {credentials.client_key}".encode() if credentials.client_key else None
+        self._internal = f"Bearer {credentials.internal_key}".encode() if credentials.internal_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers", [])).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected):
-            await error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)")(
-                scope, receive, send
-            )
+        is_client = self._client is not None and hmac.compare_digest(given, self._client)
+        is_internal = self._internal is not None and hmac.compare_digest(given, self._internal)
+        if is_internal:
+            scope.setdefault("state", {})[INTERNAL_CALLER] = True
+        role = self.credentials.route_role(scope.get("path", ""))
+        if role is RouteRole.OPEN:
+            allowed = True
+        elif role is RouteRole.CLIENT:
+            allowed = self._client is None or is_client or is_internal
+        elif self._internal is not None:
+            allowed = is_internal
+        else:
+            allowed = self._client is None or is_client
+        if allowed:
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        if role is RouteRole.INTERNAL and self._internal is not None:
+            message = "this route needs the deployment's internal API key (the client key does not open it)"
+        else:
+            message = "missing or wrong API key (send Authorization: Bearer <key>)"
+        await error_response(401, message)(scope, receive, send)
 
 
-def protect(app: Starlette, api_key: str | None, max_body_bytes: int) -> None:
-    """Add the shared middleware to a FastAPI/Starlette app: body-size limit, then the API key if given."""
+def is_internal_caller(request: Request) -> bool:
+    """Whether this request presented the internal credential (RoleAuth marked it)."""
+    return bool(request.scope.get("state", {}).get(INTERNAL_CALLER, False))
+
+
+def protect(app: Starlette, credentials: Credentials | None, max_body_bytes: int) -> None:
+    """Add the shared middleware to a FastAPI/Starlette app: body-size limit, then the keys if any is set."""
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    if credentials is not None and credentials.is_enabled:
+        app.add_middleware(RoleAuth, credentials=credentials)
 
 
 class BodySizeLimit:

@@ -19,7 +19,15 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.client import AbortRequest, AddRequest, EngineCommand, EngineInfo, EngineStats, ReleaseRequest
+from pdserve.engine.client import (
+    AbortIfQueued,
+    AbortRequest,
+    AddRequest,
+    EngineCommand,
+    EngineInfo,
+    EngineStats,
+    ReleaseRequest,
+)
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.model.tokenizer import Tokenizer
@@ -137,6 +145,14 @@ class AsyncEngine:
         self._wake.set()
         return await asyncio.wrap_future(command.reply)
 
+    async def abort_if_queued(self, request_id: str) -> bool:
+        if not self.is_ready:
+            return False
+        command = AbortIfQueued(request_id)
+        self._inbox.append(command)
+        self._wake.set()
+        return await asyncio.wrap_future(command.reply)
+
     # ---- the loop (engine thread) -----------------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self._engine
@@ -165,6 +181,12 @@ class AsyncEngine:
             if isinstance(command, AbortRequest):
                 if (out := engine.abort(command.request_id)) is not None:
                     self._send(command.request_id, out)
+                continue
+            if isinstance(command, AbortIfQueued):
+                out = engine.abort_if_queued(command.request_id)
+                if out is not None:
+                    self._send(command.request_id, out)
+                command.reply.set_result(out is not None)
                 continue
             if isinstance(command, ReleaseRequest):
                 found, out = engine.release(command.request_id, command.transfer_id)

@@ -55,7 +55,17 @@ class ReleaseRequest:
             raise ValueError("give exactly one of request_id and transfer_id")
 
 
-EngineCommand = AddRequest | AbortRequest | ReleaseRequest
+@dataclass(frozen=True)
+class AbortIfQueued:
+    """Event loop -> engine thread: the request's queue wait ran out (--max-queue-wait-s); abort it only if it
+    never left the waiting queue. The engine answers through `reply`: True when it aborted it (the server's 503),
+    False when the request has started (it runs to its end) or already ended."""
+
+    request_id: str
+    reply: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future, compare=False)
+
+
+EngineCommand = AddRequest | AbortRequest | ReleaseRequest | AbortIfQueued
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,9 @@ class EngineClient(Protocol):
 
     async def release(self, command: ReleaseRequest) -> bool:
         """P: free a finished request's pinned KV now (or abort it if still running); False when unknown."""
+
+    async def abort_if_queued(self, request_id: str) -> bool:
+        """Abort a request that has not left the engine's waiting queue; False when it has started or ended."""
 
     def stats(self) -> EngineStats:
         """The latest snapshot, with the observations made since the previous call."""

@@ -122,13 +122,25 @@ class LLMEngine:
         self._submit_transfers()  # now, not at the next step: an idle P may not take one soon
         return None if req is None else self._output(req)
 
+    def abort_if_queued(self, request_id: str) -> RequestOutput | None:
+        """Abort a request still waiting for its first step (its queue wait ran out): its output, or None when it
+        has started (it then runs to its end) or is unknown."""
+        req = self.scheduler.abort_if_queued(request_id)
+        if req is None:
+            return None
+        self._submit_transfers()  # push: P tells D's registration at once that this transfer is abandoned
+        return self._output(req)
+
     def release(self, request_id: str | None, transfer_id: str | None) -> tuple[bool, RequestOutput | None]:
         """P: give up a request's pinned KV now (D's leg failed): (known, the aborted request's output if it was
-        still running). Exactly one id is given; push names the transfer id."""
+        still running). Exactly one id is given; push names the transfer id. Only a prefill leg (RemoteDecode
+        params) is released: any other running request (a decode, a whole request) is unknown here."""
         rid = request_id if request_id is not None else self._producer_of(transfer_id)
         if rid is None:
             return False, None
-        if rid in self.scheduler.requests:
+        if (req := self.scheduler.requests.get(rid)) is not None:
+            if not isinstance(req.kv_transfer_params, RemoteDecode):  # only a prefill leg is a producer's to give up
+                return False, None
             out = self.abort(rid)
             if out is not None:
                 out.released = True  # the router gave this leg up: its HTTP answer is a 499, not an error

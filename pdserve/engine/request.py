@@ -43,6 +43,9 @@ class Request:
     needs_remote_kv: bool = False  # D: prompt KV comes from a remote prefill
     remote_kv_ready: bool = False  # D: that KV has landed; compute only the last prompt token
     pin_released: bool = False  # P: finished and pinned, and the engine gave the pin up (abort, release)
+    # left the waiting queue once (scheduled to compute, or D parked for remote KV): from then on it is no longer
+    # queued, and --max-queue-wait-s does not apply (it runs to its end or its own deadline)
+    has_started: bool = False
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None

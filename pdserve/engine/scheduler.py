@@ -99,6 +99,15 @@ class Scheduler:
         self.finish(req, "abort")
         return req
 
+    def abort_if_queued(self, request_id: str) -> Request | None:
+        """Abort a request that never left the waiting queue (--max-queue-wait-s); None when it has started
+        (computing, or waiting for its remote KV) or is unknown."""
+        req = self.requests.get(request_id)
+        if req is None or req.has_started or req.status != RequestStatus.WAITING:
+            return None
+        self.finish(req, "abort")
+        return req
+
     def release_pin(self, request_id: str) -> Request | None:
         """P: give up a finished request's pin now (abort, or D's leg failed). Its blocks are freed on the
         finished send the connector reports (at once, or after a WRITE in flight); None if it is not pinned."""
@@ -184,6 +193,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.has_started = True
             req.mark("scheduled")
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_new))
@@ -267,6 +277,7 @@ class Scheduler:
             raise RuntimeError(f"request {req.request_id} waits for remote KV without a source in its params")
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        req.has_started = True
         self.waiting_for_kv[req.request_id] = req
         self.connector.on_blocks_allocated(
             req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens, source,

@@ -6,9 +6,12 @@ prompts only.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from pdserve.model.token_chars import max_chars_per_token
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
@@ -32,9 +35,15 @@ class Tokenizer:
 
         return cls(AutoTokenizer.from_pretrained(str(folder)), extra_eos_token_ids)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the special tokens (BOS or none) the model's tokenizer adds by itself."""
-        return list(self.hf(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the special tokens (BOS or none) the model's tokenizer adds by itself unless
+        `add_special_tokens` is False (a rendered chat template writes them itself)."""
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """An upper bound on the characters one token stands for, or None (model/token_chars.py)."""
+        return max_chars_per_token(self.hf)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; special tokens (EOS, chat markers) are dropped unless asked for."""
@@ -44,16 +53,20 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return getattr(self.hf, "chat_template", None) is not None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat ([{"role": ..., "content": ...}, ...]) followed by the assistant's turn header."""
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The text of a chat ([{"role": ..., "content": ...}, ...]) followed by the assistant's turn header, as the
+        model's chat template writes it (special tokens included: encode it with add_special_tokens=False)."""
         if not self.has_chat_template:
             raise ValueError(
                 f"tokenizer {getattr(self.hf, 'name_or_path', '')!r} has no chat template; "
                 "send a plain prompt (/v1/completions) instead of chat messages"
             )
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return str(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat followed by the assistant's turn header (render_chat, then encode)."""
         # the template writes any BOS itself, so the tokenizer must not add one again
-        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

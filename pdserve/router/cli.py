@@ -9,6 +9,7 @@ import logging
 import sys
 
 from pdserve.arg_types import port, positive_float, positive_int
+from pdserve.credentials import add_internal_key_arguments, load_key
 from pdserve.router.policy import MODES, POLICIES
 
 
@@ -79,9 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on every route but /health (the router also sends it to the "
-        "instances, so start them with the same key); default: no key",
+        help="the client key: require `Authorization: Bearer KEY` on every route but /health (the router also "
+        "sends it to the instances unless --internal-api-key is set, so start them with the same key); default: no key",
     )
+    add_internal_key_arguments(p, is_router=True)
     p.add_argument(
         "--kv-auth-secret",
         default=None,
@@ -119,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
             health_timeout_s=args.health_timeout_s,
             health_interval_s=args.health_interval_s,
             max_body_bytes=int(args.max_body_mb * 2**20),
-            api_key=args.api_key,
+            api_key=load_key(args.api_key, None, "--api-key"),
+            internal_api_key=load_key(args.internal_api_key, args.internal_api_key_file, "--internal-api-key"),
             kv_auth_secret=secret,
         )
     except (ValueError, OSError) as e:

@@ -35,8 +35,8 @@ from starlette.responses import JSONResponse, Response
 from pdserve.auth import DEFAULT_TTL_S
 from pdserve.router.call import Call, prefill_body
 from pdserve.router.health import HealthMonitor
-from pdserve.router.policy import MODES, Lease, Pool
-from pdserve.router.prefill_info import PrefillInfo
+from pdserve.router.policy import MODES, Backend, Lease, Pool
+from pdserve.router.prefill_info import PrefillInfo, push_coordinates
 from pdserve.router.prompt_len import estimate_prompt_tokens
 from pdserve.router.relay import relay_stream
 from pdserve.router.upstream import LegError, open_stream, post_json
@@ -190,7 +190,7 @@ class Orchestrator:
                 raise
         except BaseException:  # D never took the KV (down, refused, client gone): P's pin is freed now
             if isinstance(kv, PullSource):
-                self._release_on(p.url, {"request_id": kv.request_id}, call)
+                self._release_on(p.url, {"request_id": kv.request_id, "kv_transfer_params": raw}, call)
             raise
         return relay_stream(call, resp, d_lease, [], "decode")
 
@@ -200,6 +200,39 @@ class Orchestrator:
         p, d = self.prefill.choose(), self.decode.choose()
         call.prefill_url, call.decode_url = p.url, d.url
         info = await race_disconnect(self.prefill_info.get(p.url), call.http)
+        try:
+            return await self._push_legs(call, p, d, info)
+        except LegError as e:
+            first = e
+        # the legs carried P's cached coordinates (engine id, side channel), signed: if P restarted since they
+        # were fetched, P refuses them (403) or D cannot reach them. A failed call dropped them: fetch them again
+        # and retry once on new ones. A stale route is never the client's error (no 403 reaches it for one).
+        fresh = await race_disconnect(self.prefill_info.get(p.url), call.http)
+        if push_coordinates(fresh) == push_coordinates(info):
+            if first.leg == "prefill" and first.status == 403:  # the router signed what P holds: another secret
+                raise LegError(
+                    "prefill",
+                    p.url,
+                    f"prefill instance {p.url} refused the router's push capability ({first}); start the router "
+                    "with the instances' --kv-auth-secret",
+                ) from first
+            raise first
+        log.info(
+            "request %s: prefill %s has new coordinates (engine id %s -> %s: it restarted); retrying once",
+            call.request_id, p.url, info.get("engine_id"), fresh.get("engine_id"),
+        )  # fmt: skip
+        try:
+            return await self._push_legs(call, p, d, fresh)
+        except LegError as e:
+            if e.leg == "prefill" and e.status == 403:
+                raise LegError(
+                    "prefill", p.url, f"prefill instance {p.url} changed its coordinates again during this request "
+                    "(restarting?); retry later", status=503, retry_after="1",
+                ) from e  # fmt: skip
+            raise
+
+    async def _push_legs(self, call: Call, p: Backend, d: Backend, info: dict[str, Any]) -> Response:
+        """Both legs of a push call with P's coordinates `info`."""
         transfer_id = uuid.uuid4().hex
         host, port, engine_id = info["side_channel_host"], info["side_channel_port"], info["engine_id"]
         cap = self.kv_auth.issue_push(transfer_id, engine_id, host, port, DEFAULT_TTL_S)  # both legs carry it
@@ -230,7 +263,10 @@ class Orchestrator:
             if not succeeded:
                 d_lease.release()
                 self.prefill_info.forget(p.url)  # P may have restarted with new coordinates
-                self._release_on(p.url, {"transfer_id": transfer_id}, call)  # P may hold the prefill pinned
+                # P may hold the prefill pinned; the P leg's params carry the capability the release needs
+                self._release_on(
+                    p.url, {"transfer_id": transfer_id, "kv_transfer_params": p_body["kv_transfer_params"]}, call
+                )
                 for t in (p_task, d_task):
                     t.cancel()
                 results = await asyncio.gather(p_task, d_task, return_exceptions=True)
@@ -246,16 +282,20 @@ class Orchestrator:
         with lease:
             return await post_json(self.session, leg, lease.backend.url, call.path, body, call.headers)
 
-    def _release_on(self, p_url: str, which: dict[str, str], call: Call) -> None:
+    def _release_on(self, p_url: str, which: dict[str, Any], call: Call) -> None:
         """Tell P, in the background, to free the KV it pinned for a decode leg that will never take it
-        (POST /kv_transfer/release; 404 = already gone, which is fine)."""
+        (POST /kv_transfer/release with the request's id and capability; 404 = already gone, which is fine; 403 =
+        P never accepted that capability, a restarted P: nothing of it is pinned)."""
+        name = {k: v for k, v in which.items() if k != "kv_transfer_params"}
 
         async def release() -> None:
             try:
                 await post_json(self.session, "prefill", p_url, "/kv_transfer/release", which, call.headers)
             except LegError as e:
-                if e.status != 404:
-                    log.warning("request %s: releasing %s on %s failed: %s", call.request_id, which, p_url, e)
+                if e.status == 403:
+                    log.info("request %s: %s refused the release of %s: %s", call.request_id, p_url, name, e)
+                elif e.status != 404:
+                    log.warning("request %s: releasing %s on %s failed: %s", call.request_id, name, p_url, e)
 
         task = asyncio.create_task(release())
         self._background.add(task)

@@ -15,6 +15,12 @@ import aiohttp
 from pdserve.router.upstream import LegError, get_json
 
 
+def push_coordinates(info: dict[str, Any]) -> tuple[Any, ...]:
+    """What a push capability names of P (its engine id and side channel): equal before and after a refresh
+    unless P restarted."""
+    return info.get("engine_id"), info.get("side_channel_host"), info.get("side_channel_port")
+
+
 class PrefillInfo:
     """P URL -> its /kv_transfer/info (a shared future per URL), fetched with `session` within `timeout_s`."""
 

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.credentials import Credentials
 from pdserve.openai_request import CHAT_PATH, COMPLETIONS_PATH, parse_request
 from pdserve.router.call import Call
 from pdserve.router.health import HealthMonitor
@@ -53,7 +54,9 @@ class RouterConfig:
     health_timeout_s: float = 5.0  # for each backend's /health and P's /kv_transfer/info
     health_interval_s: float = 2.0  # every backend's /health is polled this often (router/health.py)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are refused with 413
-    api_key: str | None = None  # clients must send it, and the router sends it to every instance
+    api_key: str | None = field(default=None, repr=False)  # clients must send it (credentials.py)
+    # the deployment's internal credential: the router sends it to every instance instead of api_key
+    internal_api_key: str | None = field(default=None, repr=False)
     kv_auth_secret: bytes | None = field(default=None, repr=False)  # signs push capabilities (auth.py)
 
     def __post_init__(self) -> None:
@@ -63,6 +66,7 @@ class RouterConfig:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if not self.health_interval_s > 0 or not self.health_timeout_s > 0:
             raise ValueError("--health-interval-s and --health-timeout-s must be > 0")
+        Credentials(self.api_key, self.internal_api_key)  # refuses an empty key, or one key in both roles
         if self.kv_auth_secret is not None and len(self.kv_auth_secret) < 16:
             raise ValueError("the KV auth secret must be at least 16 bytes")
         if self.mode == "colocated":
@@ -84,6 +88,10 @@ class RouterConfig:
                 raise ValueError(f"backend URL {url!r} must start with http:// or https://")
 
     @property
+    def credentials(self) -> Credentials:
+        return Credentials(self.api_key, self.internal_api_key)
+
+    @property
     def backend_urls(self) -> list[tuple[str, str]]:
         """(leg name, URL) of every backend, as errors name them."""
         if self.mode == "colocated":
@@ -103,7 +111,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        session = make_session(config.connect_timeout_s, config.api_key)
+        session = make_session(config.connect_timeout_s, config.credentials.upstream_key)
         holder["orchestrator"] = Orchestrator(
             config.mode,
             prefill,
@@ -130,7 +138,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             await session.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-    protect(app, config.api_key, config.max_body_bytes)
+    protect(app, config.credentials, config.max_body_bytes)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

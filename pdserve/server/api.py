@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.auth import AuthError
+from pdserve.credentials import Credentials
 from pdserve.engine.client import AddRequest, EngineClient, ReleaseRequest
 from pdserve.openai_request import ChatCompletionRequest, CompletionRequest, SamplingFields, describe
 from pdserve.server import metrics
@@ -40,7 +41,7 @@ from pdserve.server.render import Kind, Renderer
 from pdserve.server.state import RETRY_AFTER_S, Limits, ServerState
 from pdserve.server.streams import RequestRun
 from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import KVParamsError, RemoteDecode
+from pdserve.transfer.params import KVParamsError, PullSource, RemoteDecode
 from pdserve.transfer.params_decode import decode
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
@@ -48,6 +49,7 @@ from pdserve.web import (
     ClientDisconnected,
     client_request_id,
     error_response,
+    is_internal_caller,
     json_content_type_error,
     protect,
 )
@@ -74,12 +76,13 @@ def build_app(
     served_model_names: list[str] | None = None,
     on_start_failure: Callable[[BaseException], None] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    api_key: str | None = None,
+    credentials: Credentials | None = None,
     limits: Limits | None = None,
     kv_auth: KVAuth | None = None,
 ) -> FastAPI:
     """The app serving `engine` (an AsyncEngine, not started yet). `on_start_failure` is called from the
-    engine-start thread if the model fails to load (the CLI uses it to stop the server). `kv_auth` checks
+    engine-start thread if the model fails to load (the CLI uses it to stop the server). `credentials`: the client
+    key and the internal credential (credentials.py; None: every route is open). `kv_auth` checks
     kv_transfer_params' capabilities (None: nothing is checked)."""
     state = ServerState(
         engine, served_model_names, on_start_failure or (lambda e: None), limits or Limits(), kv_auth or KVAuth(None)
@@ -97,7 +100,7 @@ def build_app(
             await asyncio.to_thread(state.start_thread.join, 30)
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
-    protect(app, api_key, max_body_bytes)  # every route but /health needs the key, when one is set
+    protect(app, credentials, max_body_bytes)  # who may call which route (credentials.py)
     app.state.pdserve = state
 
     @app.exception_handler(ApiError)
@@ -148,13 +151,20 @@ def build_app(
         return JSONResponse(engine.info.kv_transfer_info)
 
     @app.post("/kv_transfer/release")
-    async def kv_transfer_release(body: KVReleaseRequest) -> Response:
-        """Free P's pin for one request at once (idempotent); 404 when this instance does not know it."""
+    async def kv_transfer_release(body: KVReleaseRequest, request: Request) -> Response:
+        """Free P's pin for one request at once (idempotent); 404 when this instance does not know it. The caller
+        shows the internal credential or the request's capability (with a secret), never just its id."""
         state.check_ready()
         try:
             command = ReleaseRequest(body.request_id, body.transfer_id)
-        except ValueError as e:
+            params = decode(body.kv_transfer_params)
+        except ValueError as e:  # KVParamsError too: names the bad key
             raise ApiError(400, str(e)) from None
+        if not is_internal_caller(request):
+            try:
+                state.kv_auth.check_release(body.request_id, body.transfer_id, params, engine.info.kv_transfer_info)
+            except AuthError as e:
+                raise ApiError(403, str(e)) from e
         if not await engine.release(command):
             which = (
                 f"request_id {body.request_id!r}"
@@ -173,14 +183,18 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_ready()
         model = state.resolve_model(body.model)
-        prompt_ids = await run_in_threadpool(completion_prompt_ids, body, engine.tokenizer)  # off the event loop
+        prompt_ids = await run_in_threadpool(  # off the event loop
+            completion_prompt_ids, body, engine.tokenizer, state.max_prompt_chars, engine.info.max_model_len
+        )
         return await _answer(state, "completion", body, model, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_ready()
         model = state.resolve_model(body.model)
-        prompt_ids = await run_in_threadpool(chat_prompt_ids, body, engine.tokenizer)  # templating: off the loop
+        prompt_ids = await run_in_threadpool(  # templating: off the loop
+            chat_prompt_ids, body, engine.tokenizer, state.max_prompt_chars, engine.info.max_model_len
+        )
         return await _answer(state, "chat", body, model, prompt_ids, None, request)
 
     return app
@@ -210,6 +224,13 @@ async def _answer(
         state.kv_auth.check(kv_params, prompt_ids, engine.info.kv_transfer_info)
     except AuthError as e:
         raise ApiError(403, str(e)) from e
+    if isinstance(kv_params, PullSource) and kv_params.num_tokens < len(prompt_ids) - 1:
+        # D computes the last prompt token itself and receives the KV of all the others
+        raise ApiError(
+            400,
+            f"kv_transfer_params name KV for {kv_params.num_tokens} tokens; a prompt of {len(prompt_ids)} tokens "
+            f"needs {len(prompt_ids) - 1} (send the prompt the prefill instance computed)",
+        )
     command = AddRequest(request_id, tuple(prompt_ids), params, kv_params, client_id)
     state.admit()
     try:
@@ -236,7 +257,9 @@ async def _answer(
             # the router released this prefill (POST /kv_transfer/release: its client or decode leg is gone) and
             # may close this connection at the same moment: a 499 either way, whichever P notices first
             run.status = 499
-            return error_response(499, f"request {request_id} was released before its prefill ran")
+            return error_response(
+                499, f"request {request_id} was released (POST /kv_transfer/release) before its prefill finished"
+            )
         if out is None or not out.finished or out.finish_reason in ("error", "abort"):
             run.status = 500
             message = (out.error if out is not None else None) or f"request {request_id} was aborted by the engine"

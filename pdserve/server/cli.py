@@ -16,6 +16,7 @@ from pdserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pdserve.credentials import add_internal_key_arguments, credentials_from
 from pdserve.http_port import STARTUP_FAILURE, bind_port_zero
 from pdserve.server.transfer_args import add_transfer_arguments, transfer_config_from
 from pdserve.transfer.faults import NO_FAULTS, Faults
@@ -64,15 +65,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-queue-wait-s",
         type=positive_float,
         default=None,
-        help="a request that has not produced its first token after this many seconds is aborted and "
-        "answered 503 with Retry-After (default: no deadline)",
+        help="a request still queued after this many seconds (the engine has not started computing it, nor, on "
+        "a decode instance, receiving its KV) is aborted and answered 503 with Retry-After; one that has started "
+        "runs to its end (default: no deadline)",
     )
     g.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on every route but /health (/v1/*, /metrics, /timeline, "
-        "/kv_transfer/info); default: no key",
+        help="the client key: require `Authorization: Bearer KEY` on every route but /health (/v1/*, /metrics; "
+        "also /timeline and /kv_transfer/* unless --internal-api-key is set); default: no key",
     )
+    add_internal_key_arguments(g, is_router=False)
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
     g = p.add_argument_group("model")
@@ -171,6 +174,7 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
     )
     try:
         config = build_config(args, faults)
+        credentials = credentials_from(args)
     except (ConfigError, ValueError, OSError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
@@ -209,7 +213,7 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         args.served_model_name,
         on_start_failure,
         max_body_bytes=int(args.max_body_mb * 2**20),
-        api_key=args.api_key,
+        credentials=credentials,
         limits=Limits(args.max_inflight_requests, args.max_queue_wait_s),
         kv_auth=KVAuth(config.transfer.auth_secret),
     )

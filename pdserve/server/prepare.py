@@ -1,10 +1,14 @@
 """From a validated request body to what the engine takes: prompt token ids and SamplingParams.
 
-Everything here raises ApiError(400, reason) for input the engine must not see.
+Everything here raises ApiError(400, reason) for input the engine must not see. A text prompt (a chat: its
+rendered template) longer than `max_chars` characters is refused before it is tokenized: `max_chars` is
+max_model_len times the tokenizer's bound on characters per token (model/token_chars.py), so such a prompt has
+more tokens than max_model_len and would be refused after tokenizing anyway, only later and at a CPU cost.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pdserve.openai_request import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -13,34 +17,73 @@ from pdserve.server.protocol import ApiError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
+log = logging.getLogger(__name__)
 
-def completion_prompt_ids(body: CompletionRequest, tokenizer: Any | None) -> list[int]:
-    """Token ids of the one prompt of a completion request (text is tokenized here)."""
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800", which JSON can carry and UTF-8
+    cannot): the tokenizer would fail on it with its own TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(
+            400, f"{what} is not valid Unicode: lone surrogate {text[e.start]!r} at character {e.start}"
+        ) from None
+
+
+def check_chars(text: str, max_chars: int | None, max_model_len: int, what: str) -> None:
+    """Refuse text of more than max_chars characters before tokenizing it (the module docstring says why no
+    legal prompt is refused)."""
+    if max_chars is not None and len(text) > max_chars:
+        raise ApiError(
+            400,
+            f"{what} has {len(text)} characters, more than any prompt under max_model_len {max_model_len} tokens "
+            f"can have with this tokenizer ({max_chars})",
+        )
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except Exception as e:  # checked above for what we know of; say no more than that to the client
+        log.warning("tokenizer failed on a prompt of %d characters: %s: %s", len(text), type(e).__name__, e)
+        raise ApiError(400, "prompt cannot be tokenized by this model's tokenizer") from e
+
+
+def completion_prompt_ids(
+    body: CompletionRequest, tokenizer: Any | None, max_chars: int | None = None, max_model_len: int = 0
+) -> list[int]:
+    """Token ids of the one prompt of a completion request (text is checked, then tokenized here)."""
     prompt = body.prompt
     if isinstance(prompt, list):
         return list(prompt)  # not empty, integers >= 0 (openai_request.py); the engine checks the vocabulary
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer (dummy weights): send the prompt as token ids")
-    try:
-        ids = tokenizer.encode(prompt)
-    except Exception as e:  # e.g. a lone surrogate ("\ud800") the tokenizer cannot encode
-        raise ApiError(400, f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
+    check_chars(prompt, max_chars, max_model_len, "prompt")
+    check_text(prompt, "prompt")
+    ids = _encode(tokenizer, prompt, add_special_tokens=True)
     if not ids:
         raise ApiError(400, "prompt is empty")
     return ids
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any | None) -> list[int]:
+def chat_prompt_ids(
+    body: ChatCompletionRequest, tokenizer: Any | None, max_chars: int | None = None, max_model_len: int = 0
+) -> list[int]:
     """Token ids of the chat rendered by the model's chat template, ending with the assistant's turn header."""
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer (dummy weights): chat is not available")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    for i, m in enumerate(messages):
+        check_text(m["content"], f"messages[{i}].content")
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return tokenizer.apply_chat_template(messages)
+        text = tokenizer.render_chat(messages)
     except ValueError as e:  # no chat template
         raise ApiError(400, str(e)) from e
     except Exception as e:  # a template that raises on these messages (jinja's own exceptions)
         raise ApiError(400, f"chat template failed on these messages: {e}") from e
+    check_chars(text, max_chars, max_model_len, "the chat as its template renders it")
+    return _encode(tokenizer, text, add_special_tokens=False)  # the template wrote any BOS itself
 
 
 def check_output_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

@@ -28,6 +28,9 @@ class KVReleaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str | None = Field(default=None, max_length=256)  # pull: remote_request_id of P's answer
     transfer_id: str | None = Field(default=None, max_length=256)  # push: the router's transfer id
+    # the request's capability (needed with a deployment secret unless the caller shows the internal API key):
+    # pull: P's answer (its kv_transfer_params) as the router got it; push: the prefill leg's kv_transfer_params
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # --- responses ------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ class Limits:
     """Admission control of one instance."""
 
     max_inflight_requests: int = 1024  # requests held at once (0 = no limit); past it: 503 + Retry-After
-    max_queue_wait_s: float | None = None  # no first token after this long: aborted, 503 (None = no deadline)
+    max_queue_wait_s: float | None = None  # still queued after this long: aborted, 503 (None = no deadline)
 
     def __post_init__(self) -> None:
         if self.max_inflight_requests < 0:
@@ -69,6 +69,9 @@ class ServerState:
         self.on_start_failure = on_start_failure
         self.start_error: BaseException | None = None
         self.start_thread: threading.Thread | None = None
+        # a text prompt longer than this many characters has more than max_model_len tokens (prepare.py); set
+        # once the engine started, None: no bound for this tokenizer (or no tokenizer)
+        self.max_prompt_chars: int | None = None
 
     @property
     def model_names(self) -> list[str]:
@@ -80,6 +83,11 @@ class ServerState:
             self.engine.start()
             info = self.engine.info
             check_capacity(info)
+            tokenizer = self.engine.tokenizer
+            per_token = tokenizer.max_chars_per_token if tokenizer is not None else None
+            self.max_prompt_chars = None if per_token is None else per_token * info.max_model_len
+            if tokenizer is not None and per_token is None:
+                log.info("this tokenizer can fold any number of characters into a token: no prompt length bound")
             log.info("engine ready: model %s, max_model_len %d", info.model_name, info.max_model_len)
         except BaseException as e:
             self.start_error = e

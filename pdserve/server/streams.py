@@ -38,7 +38,7 @@ class RequestRun:
         self.client_request_id = command.client_request_id
         self.num_prompt_tokens = len(command.prompt_token_ids)
         self._gen = engine.generate(command)
-        self._max_queue_wait_s = max_queue_wait_s  # no first output by then: abort, 503
+        self._max_queue_wait_s = max_queue_wait_s  # still queued (never scheduled) after this: abort, 503
         self._http = http_request
         self.last: RequestOutput | None = None  # the latest output seen
         self._arrival = time.perf_counter()
@@ -61,13 +61,32 @@ class RequestRun:
             self._first_at = time.perf_counter()
         return out
 
+    async def _first_or_queue_timeout(self) -> RequestOutput | None:
+        """The first output. A request still in the engine's waiting queue after max_queue_wait_s is aborted
+        (503); one that has started computing (or, on D, waiting for its KV) by then is waited for to its end."""
+        if self._max_queue_wait_s is None:
+            return await self._next()
+        task = asyncio.ensure_future(self._next())
+        try:
+            await asyncio.wait({task}, timeout=self._max_queue_wait_s)
+            if not task.done() and await self.engine.abort_if_queued(self.request_id):
+                self.status = 503
+                raise ApiError(
+                    503, f"server busy: request still queued after {self._max_queue_wait_s:g} s; retry later"
+                )
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
     async def first(self) -> RequestOutput | None:
         """The first output, watching for a disconnect; the engine's ValueError (bad input) becomes a 400."""
         try:
-            return await race_disconnect(asyncio.wait_for(self._next(), self._max_queue_wait_s), self._http)
-        except TimeoutError as e:
-            self.status = 503
-            raise ApiError(503, f"server busy: no first token within {self._max_queue_wait_s} s; retry later") from e
+            return await race_disconnect(self._first_or_queue_timeout(), self._http)
+        except ApiError:
+            raise
         except ValueError as e:
             self.status = 400
             raise ApiError(400, str(e)) from e

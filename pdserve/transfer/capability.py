@@ -114,6 +114,42 @@ class KVAuth:
         if not self._replays.first_use(cap.mac, cap.expires_at, self._clock()):
             raise AuthError("kv_capability was already used (replayed)")
 
+    def check_release(
+        self,
+        request_id: str | None,
+        transfer_id: str | None,
+        params: KVTransferParams | None,
+        local: Mapping[str, Any],
+    ) -> None:
+        """Raise AuthError unless `params` prove that the caller was given this request's coordinates: P's pull
+        answer naming `request_id` and this instance, or the push capability of `transfer_id` for this instance.
+        The MAC alone is checked: giving KV up needs no fresh capability (an expired one is still the caller's) and
+        does not use it up. Without a secret nothing can be checked (docs/deploy.md)."""
+        if self._signer is None:
+            return
+        cap = params.capability if isinstance(params, (PullSource, RemoteDecode)) else None
+        if cap is None:
+            raise AuthError(
+                "releasing a request needs its kv_capability in kv_transfer_params (pull: P's answer; push: the "
+                "prefill leg's params) or the deployment's internal API key; its id alone is not enough"
+            )
+        if request_id is not None:
+            if not isinstance(params, PullSource) or params.request_id != request_id:
+                raise AuthError(f"kv_transfer_params are not P's answer for request_id {request_id!r}")
+            if params.engine_id != local.get("engine_id"):
+                raise AuthError("kv_transfer_params name another prefill instance")
+            purpose, fields = PULL, pull_fields(params, cap.expires_at, cap.prompt_digest)
+        else:
+            if not isinstance(params, RemoteDecode) or transfer_id is None or params.transfer_id != transfer_id:
+                raise AuthError(f"kv_transfer_params are not the prefill leg's for transfer_id {transfer_id!r}")
+            fields = push_fields(
+                transfer_id, local.get("engine_id"), local.get("side_channel_host", ""),
+                local.get("side_channel_port", 0), cap.expires_at,
+            )  # fmt: skip
+            purpose = PUSH
+        if not self._signer.verify(purpose, fields, cap.mac):
+            raise AuthError(f"kv_capability does not match the {purpose} coordinates (forged or altered)")
+
     def _expiry(self, cap: Capability | None) -> float:
         return cap.expires_at if cap is not None else 0.0
 

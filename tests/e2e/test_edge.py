@@ -128,7 +128,7 @@ def test_full_instance_answers_503_with_retry_after(fresh_launcher: Launcher, ti
 
 
 def test_queue_wait_deadline_answers_503(fresh_launcher: Launcher, tiny_llama: Path) -> None:
-    """One sequence runs at a time: a request queued behind a long stream gets no first token within 50 ms."""
+    """One sequence runs at a time: a request still queued behind a long stream after 50 ms is refused."""
     inst = fresh_launcher.serve(tiny_llama, "--kv-role", "both", "--max-num-seqs", "1", "--max-queue-wait-s", "0.05")
     fresh_launcher.wait_ready()
     waited = None
@@ -144,6 +144,6 @@ def test_queue_wait_deadline_answers_503(fresh_launcher: Launcher, tiny_llama: P
     assert waited is not None, "the first stream never started within its deadline"
     assert waited.status_code == 503, waited.text
     assert waited.headers["Retry-After"] == "1"
-    assert "no first token within 0.05 s" in waited.json()["error"]["message"]
+    assert "request still queued after 0.05 s" in waited.json()["error"]["message"]
     m = wait_idle(inst.url)
     assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"]

@@ -37,10 +37,30 @@ def test_bad_prompts_fail_validation(prompt: Any, words: str) -> None:
         completion(prompt=prompt)
 
 
-def test_untokenizable_prompt(tokenizer: Tokenizer) -> None:
-    with pytest.raises(ApiError, match="tokenized") as e:
-        completion_prompt_ids(completion(prompt="a\ud800"), tokenizer)
+def test_lone_surrogates_are_a_sanitized_400(tokenizer: Tokenizer) -> None:
+    """The tokenizer's own TypeError ("TextEncodeInput must be Union[...]") never reaches the client."""
+    with pytest.raises(ApiError, match=r"prompt is not valid Unicode: lone surrogate '\\ud800' at character 1") as e:
+        completion_prompt_ids(completion(prompt="a\ud800b"), tokenizer)
+    assert e.value.status == 400 and "TypeError" not in e.value.message
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "ok"}, {"role": "user", "content": "\udfff"}])
+    with pytest.raises(ApiError, match=r"messages\[1\]\.content is not valid Unicode") as e:
+        chat_prompt_ids(chat, tokenizer)
     assert e.value.status == 400
+
+
+def test_prompts_beyond_the_character_bound_are_refused_before_tokenizing(tokenizer: Tokenizer) -> None:
+    per_token = tokenizer.max_chars_per_token
+    assert per_token == 4 * len("<|im_start|>")  # the tiny byte tokenizer's longest token string
+    max_chars = 256 * per_token
+    longest_legal = "é" * 127  # two bytes each: 254 tokens + BOS = 255, the most max_model_len 256 allows
+    assert len(completion_prompt_ids(completion(prompt=longest_legal), tokenizer, max_chars, 256)) == 255
+    for text in ("x" * (max_chars + 1), "\ud800" * (max_chars + 1)):  # the bound comes first: cheap
+        with pytest.raises(ApiError, match=f"has {max_chars + 1} characters, more than any prompt under") as e:
+            completion_prompt_ids(completion(prompt=text), tokenizer, max_chars, 256)
+        assert e.value.status == 400
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "y" * max_chars}])
+    with pytest.raises(ApiError, match="the chat as its template renders it has"):
+        chat_prompt_ids(chat, tokenizer, max_chars, 256)
 
 
 def test_no_tokenizer_takes_token_ids_only() -> None:

@@ -59,6 +59,8 @@ PURE = [
     "pdserve.engine.request",
     "pdserve.sampling_params",
     "pdserve.auth",
+    "pdserve.credentials",
+    "pdserve.model.token_chars",
     "pdserve.transfer.base",
     "pdserve.transfer.params",
     "pdserve.transfer.params_decode",

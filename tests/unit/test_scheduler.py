@@ -209,3 +209,22 @@ def test_token_slice_matches_the_whole_list():
     for a in range(len(whole) + 1):
         for b in range(a, len(whole) + 1):
             assert r.token_slice(a, b) == whole[a:b]
+
+
+def test_abort_if_queued_spares_every_request_that_started():
+    """--max-queue-wait-s: only a request that never left the waiting queue is aborted; one that computed (even
+    if preempted back into the queue since) or parked for remote KV runs on."""
+    s, pool, conn = make(num_blocks=64, budget=8, max_seqs=8)
+    for r in (req("a", 20), req("b", 20, start=100), req("d", 11, params=SOURCE)):
+        s.add(r)
+    run_step(s)  # the budget of 8 goes to a's first chunk: b and d never left the queue
+    assert s.abort_if_queued("a") is None and s.requests["a"].status is RequestStatus.RUNNING
+    s._preempt(s.running.pop())  # a is back in the queue, but it started: not "queued" in this sense
+    assert s.abort_if_queued("a") is None
+    aborted = s.abort_if_queued("b")
+    assert aborted is not None and aborted.finish_reason == "abort" and "b" not in s.requests
+    assert conn.ended == ["b"]
+    for _ in range(10):  # a runs again; once the budget reaches d, it parks for its remote KV
+        run_step(s)
+    assert s.requests["d"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert s.abort_if_queued("d") is None and s.abort_if_queued("nobody") is None
