@@ -103,6 +103,7 @@ class EngineStats:
     transfer_seconds: list[float] = field(default_factory=list)  # drained since the last stats()
     transfer_descriptors: list[int] = field(default_factory=list)  # per posted READ/WRITE, drained likewise
     transfer_post_seconds: list[float] = field(default_factory=list)  # NIXL's time to accept each, drained
+    side_channel_refused: dict[str, int] = field(default_factory=dict)  # since start, by reason (side_admission.py)
 
 
 class EngineClient(Protocol):

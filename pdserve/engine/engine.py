@@ -296,6 +296,7 @@ class LLMEngine:
             num_engine_steps=self.num_steps,
             transfer_hook_seconds=self.transfer_hook_seconds,
             num_step_failures=self.num_step_failures,
+            side_channel_refused=dict(t.side_channel_refused),
         )
 
     def timelines(self) -> list[dict[str, Any]]:

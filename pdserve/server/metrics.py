@@ -4,6 +4,7 @@ The names are a contract (tests, dashboards and the reliability work read them);
 gauges   pdserve_kv_blocks_total, pdserve_kv_blocks_free, pdserve_requests_running,
          pdserve_requests_waiting, pdserve_requests_waiting_for_kv
 counters pdserve_kv_sent_bytes_total, pdserve_kv_received_bytes_total, pdserve_kv_transfers_total{result},
+         pdserve_side_channel_refused_total{reason},
          pdserve_engine_steps_total, pdserve_engine_step_failures_total, pdserve_engine_transfer_hook_seconds_total
 histos   pdserve_time_to_first_token_seconds, pdserve_kv_transfer_seconds, pdserve_kv_transfer_descriptors
          (per posted READ/WRITE: many means a fragmented cache), pdserve_kv_transfer_post_seconds (NIXL's time
@@ -124,6 +125,14 @@ class EngineCollector(Collector):
         for result, field in TRANSFER_RESULTS:
             transfers.add_metric([result], getattr(stats, field))
         yield transfers
+        refused = CounterMetricFamily(
+            "pdserve_side_channel_refused",
+            "Side-channel connections and requests refused, by reason (transfer/thread/side_admission.py)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(stats.side_channel_refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
 
 
 def make_registry(stats_fn: Callable[[], EngineStats]) -> CollectorRegistry:

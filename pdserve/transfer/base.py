@@ -184,6 +184,7 @@ class TransferStats:
     # one entry per READ/WRITE posted since the last snapshot: (descriptors, seconds NIXL took to accept it)
     posts: list[tuple[int, float]] = field(default_factory=list)
     checksum_failures: int = 0  # --kv-checksum: recvs whose received KV did not match the producer's sums
+    side_channel_refused: dict[str, int] = field(default_factory=dict)  # since start, by reason (side_admission.py)
 
 
 class ConnectorScheduler(ABC):

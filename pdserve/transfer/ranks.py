@@ -169,4 +169,6 @@ def add_stats(a: TransferStats, b: TransferStats) -> TransferStats:
         a.sent_bytes + b.sent_bytes, a.received_bytes + b.received_bytes, a.transfers_ok + b.transfers_ok,
         a.transfers_failed + b.transfers_failed, a.transfers_expired + b.transfers_expired,
         a.transfer_seconds + b.transfer_seconds, a.posts + b.posts, a.checksum_failures + b.checksum_failures,
+        {k: a.side_channel_refused.get(k, 0) + b.side_channel_refused.get(k, 0)
+         for k in a.side_channel_refused.keys() | b.side_channel_refused.keys()},
     )  # fmt: skip

@@ -1,5 +1,7 @@
 """The side channel with a deployment secret (transfer/thread/handshake.py): both ends prove the secret, a
-refusal reveals nothing, nonces are single-use; idle connections are closed and open connections capped."""
+refusal reveals nothing, nonces are single-use; connections must send their first frame within a deadline, a
+flood of idle connections (from a stranger's address or the peer's own) never locks a peer out, refusals are
+counted and logged as one line, not one per connection (side_admission.py); the client reuses its connection."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from pdserve.transfer import wire
 from pdserve.transfer.thread import handshake
 from pdserve.transfer.thread.handshake import SideChannel, SideChannelAuth
+from pdserve.transfer.thread.side_admission import Admission
 
 SECRET = b"k" * 32
 SECRET_PONG = wire.Pong("engine-secret-id", "agent-secret-name", 1)
@@ -82,26 +85,123 @@ def test_a_client_checks_the_server(server: SideChannel) -> None:
         auth.open_reply(request, SECRET_PONG)
 
 
-def test_idle_connections_closed_and_connections_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handshake, "IDLE_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(handshake, "MAX_CONNECTIONS", 3)
-    side = SideChannel("127.0.0.1", 0, SECRET)
-    side.start(answer)
+def wait_closed(s: socket.socket, timeout_s: float = 5.0) -> bool:
+    """The server closed s (EOF or reset) within timeout_s."""
+    s.settimeout(timeout_s)
     try:
-        held = [socket.create_connection(("127.0.0.1", side.port), timeout=5) for _ in range(3)]
-        for s in held:
-            s.sendall(b"\x00\x00")  # half a length prefix, never finished
-        time.sleep(0.1)
-        extra = socket.create_connection(("127.0.0.1", side.port), timeout=5)
-        assert extra.recv(1) == b""  # past the cap: closed at once
-        extra.close()
-        time.sleep(0.5)
-        for s in held:
-            assert s.recv(1) == b""  # idle past IDLE_TIMEOUT_S: closed
-            s.close()
-        sealed = SideChannelAuth(SECRET).seal_request(wire.Ping())
-        assert isinstance(wire.decode(raw_exchange(side.port, sealed)), wire.Sealed)  # served again
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def small_server(secret: bytes | None = SECRET, pending: int = 8, per_source: int = 4, admitted: int = 4):
+    side = SideChannel("127.0.0.1", 0, secret)
+    side.admission = Admission(pending, per_source, admitted)
+    side.start(answer)
+    return side
+
+
+def test_first_frame_deadline_idle_timeout_and_refusal_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handshake, "FIRST_FRAME_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(handshake, "IDLE_TIMEOUT_S", 0.5)
+    side = small_server()
+    try:
+        t0 = time.monotonic()
+        half = socket.create_connection(("127.0.0.1", side.port), timeout=5)
+        half.sendall(b"\x00\x00")  # half a length prefix, never finished: closed at the first-frame deadline
+        assert wait_closed(half) and time.monotonic() - t0 < 3.0
+        # a valid first frame is admitted; then idle past IDLE_TIMEOUT_S: closed
+        s = socket.create_connection(("127.0.0.1", side.port), timeout=5)
+        data = wire.encode(SideChannelAuth(SECRET).seal_request(wire.Ping()))
+        s.sendall(struct.pack(">I", len(data)) + data)
+        (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+        assert isinstance(wire.decode(s.recv(n, socket.MSG_WAITALL)), wire.Sealed)
+        assert wait_closed(s)
+        # a refused request is answered, then its connection is closed (it holds no slot)
+        r = socket.create_connection(("127.0.0.1", side.port), timeout=5)
+        data = wire.encode(wire.Ping())
+        r.sendall(struct.pack(">I", len(data)) + data)
+        (n,) = struct.unpack(">I", r.recv(4, socket.MSG_WAITALL))
+        assert isinstance(wire.decode(r.recv(n, socket.MSG_WAITALL)), wire.Refused)
+        assert wait_closed(r)
+        for sock in (half, s, r):
+            sock.close()
+        counts = side.refusal_counts()
+        assert counts["first_frame_timeout"] == 1 and counts["unauthenticated"] == 1, counts
     finally:
+        side.close()
+
+
+@pytest.mark.parametrize("source", ["127.0.0.2", "127.0.0.1"], ids=["stranger-address", "the-peer's-address"])
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "no-secret"])
+def test_a_flood_of_idle_connections_never_locks_a_peer_out(
+    source: str, secret: bytes | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Far more idle connections than every limit, held open: a peer's new connection still gets in (the
+    oldest silent one gives way), a pooled one is never touched; one log line, not one per refusal."""
+    side = small_server(secret)
+    client = SideChannel("127.0.0.1", 0, secret)
+    client.start(answer)
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(60):
+            flood.append(socket.create_connection(("127.0.0.1", side.port), timeout=5, source_address=(source, 0)))
+        for _ in range(5):  # a new client each time: a new connection through the flooded pending slots
+            fresh = SideChannel("127.0.0.1", 0, secret)
+            fresh.start(answer)
+            try:
+                assert ask(fresh, side.port) == (SECRET_PONG, None)
+            finally:
+                fresh.close()
+        assert ask(client, side.port) == (SECRET_PONG, None)  # its connection is pooled from here on
+        for _ in range(60):  # more of the flood while the client holds its pooled (admitted) connection
+            flood.append(socket.create_connection(("127.0.0.1", side.port), timeout=5, source_address=(source, 0)))
+        for _ in range(5):
+            assert ask(client, side.port) == (SECRET_PONG, None)
+        assert side.admission.num_pending <= 8 and side.admission.num_admitted <= 4
+        assert side.refusal_counts()["evicted"] >= 100
+        lines = [r for r in caplog.records if "refused connections" in r.getMessage()]
+        assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+    finally:
+        for s in flood:
+            s.close()
+        client.close()
+        side.close()
+
+
+def test_started_frames_are_not_evicted_and_a_full_server_refuses() -> None:
+    """Pending connections that sent part of a frame keep their slots until the deadline; past them a new
+    connection is refused (counted), not served by closing a peer that is talking."""
+    side = small_server(pending=3, per_source=3)
+    try:
+        talking = [socket.create_connection(("127.0.0.1", side.port), timeout=5) for _ in range(3)]
+        for s in talking:
+            s.sendall(b"\x00\x00")
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", side.port), timeout=5)
+        assert wait_closed(extra)
+        assert side.refusal_counts()["full"] == 1
+        for s in (*talking, extra):
+            s.close()
+    finally:
+        side.close()
+
+
+def test_the_client_reuses_its_connection_and_survives_its_closing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handshake, "IDLE_TIMEOUT_S", 0.3)
+    side = small_server()
+    client = SideChannel("127.0.0.1", 0, SECRET)
+    client.start(answer)
+    try:
+        for _ in range(3):
+            assert ask(client, side.port) == (SECRET_PONG, None)
+        assert side.admission.num_admitted == 1  # one connection served all three
+        time.sleep(0.6)  # the server closed it meanwhile: the next request goes on a new one
+        assert ask(client, side.port) == (SECRET_PONG, None)
+    finally:
+        client.close()
         side.close()
 
 

@@ -6,30 +6,43 @@ peer never blocks the transfer thread: callers get their answer through a callba
 The listening socket is bound in the constructor (port 0 picks a free port; `port` is the bound one),
 before the loop starts, so the address can be reported at once.
 
-With a deployment secret every request and reply travels as a wire.Sealed: the client proves the secret with
-an HMAC over a fresh nonce, its clock and the request; the server checks it (clock within MAX_CLOCK_SKEW_S,
-each nonce once) before the handler sees anything, and answers with an HMAC over the client's nonce and the
-reply, which the client checks. A request that fails gets a wire.Refused naming the check and nothing else
-(no engine id, agent metadata, address or layout). Without a secret frames are plain (and a Sealed is refused).
+With a deployment secret every request and reply travels as a wire.Sealed (side_auth.py): the client proves
+the secret, the server checks it before the handler sees anything and proves it back. A request that fails gets
+a wire.Refused naming the check and nothing else (no engine id, agent metadata, address or layout). Without a
+secret frames are plain (and a Sealed is refused).
 
-Limits: a connection that sends no complete frame for IDLE_TIMEOUT_S is closed; past MAX_CONNECTIONS open
-connections a new one is closed at once (a peer holds one connection per request, for milliseconds).
+Limits (side_admission.py): a new connection must send a complete, valid first frame within
+FIRST_FRAME_TIMEOUT_S before it holds one of the admitted slots; pending connections are capped in all and per
+source address, the oldest silent one giving way to a newer one; an admitted connection that sends no frame for
+IDLE_TIMEOUT_S is closed; a request that fails authentication is answered Refused and its connection closed.
+Refusals are counted, not logged one by one. The client keeps its connection to a peer open for the next
+request (at most POOL_PER_ADDRESS idle per address, for POOL_IDLE_S), so a peer's pings and handshakes travel on
+an admitted connection and never wait behind strangers for a pending slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
+import fcntl
 import logging
 import socket
 import struct
+import termios
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import SupportsIndex
 
-from pdserve.auth import MAX_CLOCK_SKEW_S, ReplayGuard, Signer, new_nonce
 from pdserve.transfer.thread.netdev import advertised_address
+from pdserve.transfer.thread.side_admission import (
+    FIRST_FRAME_TIMEOUT,
+    FIRST_FRAME_TIMEOUT_S,
+    MALFORMED,
+    UNAUTHENTICATED,
+    Admission,
+)
+from pdserve.transfer.thread.side_auth import PeerRefused, SideChannelAuth
 from pdserve.transfer.wire import MAX_MESSAGE_BYTES, Message, Refused, Sealed, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -38,59 +51,9 @@ Handler = Callable[[Message], Awaitable[Message]]
 ReplyCallback = Callable[[Message | None, str | None], None]  # (reply, error) — exactly one is None
 _LEN = struct.Struct(">I")
 REFUSED = "refused the connection (nothing listens there)"  # in errors: the peer process is gone
-IDLE_TIMEOUT_S = 10.0  # a served connection with no complete frame for this long is closed
-MAX_CONNECTIONS = 128  # served connections open at once; past it a new one is closed at once
-CLIENT, SERVER = "side-channel-client", "side-channel-server"  # the Signer purposes of the two directions
-
-
-class PeerRefused(Exception):
-    """The other end refused our request (or its reply failed authentication); the message says why."""
-
-
-def _mac_fields(nonce: str, ts_ms: int, body: bytes) -> list[object]:
-    return [nonce, ts_ms, hashlib.sha256(body).hexdigest()]
-
-
-class SideChannelAuth:
-    """Seals and opens side-channel frames with the deployment secret (side-channel thread only)."""
-
-    def __init__(self, secret: bytes) -> None:
-        self._signer = Signer(secret)
-        self._nonces = ReplayGuard()
-
-    def seal_request(self, msg: Message) -> Sealed:
-        body, nonce, ts_ms = encode(msg), new_nonce(), int(time.time() * 1000)
-        return Sealed(nonce, ts_ms, self._signer.sign(CLIENT, _mac_fields(nonce, ts_ms, body)), body)
-
-    def open_request(self, frame: Message) -> Message:
-        """The request inside a client's frame; raises PeerRefused naming the failed check."""
-        if not isinstance(frame, Sealed):
-            raise PeerRefused("not authenticated: this side channel requires the deployment secret")
-        if not self._signer.verify(CLIENT, _mac_fields(frame.nonce, frame.ts_ms, frame.body), frame.mac):
-            raise PeerRefused("not authenticated: bad MAC")
-        now = time.time()
-        if abs(now - frame.ts_ms / 1000) > MAX_CLOCK_SKEW_S:
-            raise PeerRefused(f"not authenticated: clocks differ by more than {MAX_CLOCK_SKEW_S:g} s")
-        if not self._nonces.first_use(frame.nonce, frame.ts_ms / 1000 + MAX_CLOCK_SKEW_S, now):
-            raise PeerRefused("not authenticated: replayed nonce")
-        msg = decode(frame.body)
-        if isinstance(msg, Sealed | Refused):
-            raise PeerRefused("not authenticated: nested frame")
-        return msg
-
-    def seal_reply(self, request: Sealed, reply: Message) -> Sealed:
-        body, ts_ms = encode(reply), int(time.time() * 1000)
-        return Sealed(request.nonce, ts_ms, self._signer.sign(SERVER, _mac_fields(request.nonce, ts_ms, body)), body)
-
-    def open_reply(self, request: Sealed, frame: Message) -> Message:
-        """The reply inside the server's frame; raises PeerRefused when it is a refusal or not authentic."""
-        if isinstance(frame, Refused):
-            raise PeerRefused(frame.reason)
-        if not isinstance(frame, Sealed) or frame.nonce != request.nonce:
-            raise PeerRefused("the peer did not authenticate its reply (no deployment secret there?)")
-        if not self._signer.verify(SERVER, _mac_fields(frame.nonce, frame.ts_ms, frame.body), frame.mac):
-            raise PeerRefused("the peer's reply failed authentication (another deployment secret?)")
-        return decode(frame.body)
+IDLE_TIMEOUT_S = 10.0  # an admitted connection with no complete frame for this long is closed
+POOL_IDLE_S = IDLE_TIMEOUT_S / 2  # the client reuses an idle connection this long (before the server closes it)
+POOL_PER_ADDRESS = 2  # idle connections the client keeps per peer address
 
 
 async def read_frame(reader: asyncio.StreamReader) -> Message:
@@ -104,6 +67,28 @@ async def write_frame(writer: asyncio.StreamWriter, msg: Message) -> None:
     data = encode(msg)
     writer.write(_LEN.pack(len(data)) + data)
     await writer.drain()
+
+
+class _Reader(asyncio.StreamReader):
+    """A StreamReader that remembers whether any byte arrived (a pending connection that sent something is
+    not silent: side_admission never evicts it)."""
+
+    got_data = False
+
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
+        self.got_data = self.got_data or bool(data)
+        super().feed_data(data)
+
+
+def _has_data(reader: _Reader, writer: asyncio.StreamWriter) -> bool:
+    """Bytes arrived on this connection: read already, or waiting in the kernel (FIONREAD)."""
+    if reader.got_data:
+        return True
+    sock = writer.get_extra_info("socket")
+    try:
+        return sock is not None and struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0] > 0
+    except OSError:
+        return False
 
 
 class SideChannel:
@@ -129,7 +114,13 @@ class SideChannel:
         self._ready = threading.Event()
         self._server: asyncio.base_events.Server | None = None
         self._auth = SideChannelAuth(secret) if secret else None
-        self._num_connections = 0  # served connections open now (side-channel thread only)
+        self.admission = Admission()  # who holds the served connections; refusal counters (side-channel thread)
+        # the client's idle connections per peer address, with time.monotonic() each was last used
+        self._pool: dict[tuple[str, int], list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+
+    def refusal_counts(self) -> dict[str, int]:
+        """Connections and requests refused since start, by reason (side_admission.py); any thread."""
+        return self.admission.counts()
 
     # ---- life cycle ---------------------------------------------------------------------------------------------
     def start(self, handler: Handler) -> None:
@@ -143,12 +134,16 @@ class SideChannel:
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
-        self._server = loop.run_until_complete(asyncio.start_server(self._serve, sock=self._sock))
+        protocol = lambda: asyncio.StreamReaderProtocol(_Reader(loop=loop), self._serve)  # noqa: E731
+        self._server = loop.run_until_complete(loop.create_server(protocol, sock=self._sock))
         self._ready.set()
         try:
             loop.run_forever()
         finally:
             self._server.close()
+            for conns in self._pool.values():
+                for _, writer, _ in conns:
+                    writer.close()
             loop.run_until_complete(self._server.wait_closed())
             for task in asyncio.all_tasks(loop):
                 task.cancel()
@@ -167,42 +162,63 @@ class SideChannel:
     # ---- server -------------------------------------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        if self._num_connections >= MAX_CONNECTIONS:
-            log.warning("side channel: %d connections open, closing a new one from %s", MAX_CONNECTIONS, peer)
+        source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        assert isinstance(reader, _Reader)
+        slot = self.admission.open(source, writer.close, lambda: _has_data(reader, writer))
+        if slot is None:
             writer.close()
             return
-        self._num_connections += 1
         try:
+            try:
+                frame = await asyncio.wait_for(read_frame(reader), FIRST_FRAME_TIMEOUT_S)
+            except TimeoutError:
+                self.admission.refuse(FIRST_FRAME_TIMEOUT)
+                return
             while True:
+                msg = self._open(frame)
+                if isinstance(msg, Refused):  # answered, then closed: a refused connection holds no slot
+                    self.admission.refuse(UNAUTHENTICATED)
+                    await write_frame(writer, msg)
+                    return
+                if not slot.admitted and not self.admission.admit(slot):
+                    return
+                slot.busy = True
+                await write_frame(writer, await self._reply(frame, msg))
+                slot.busy, slot.idle_since = False, time.monotonic()
                 try:
                     frame = await asyncio.wait_for(read_frame(reader), IDLE_TIMEOUT_S)
-                except asyncio.IncompleteReadError:
-                    return  # the client closed the connection
                 except TimeoutError:
-                    log.info("side channel: closing a connection from %s idle for %g s", peer, IDLE_TIMEOUT_S)
                     return
-                await write_frame(writer, await self._answer(frame, peer))
-        except (WireError, ConnectionError) as e:
-            log.warning("side channel: dropping connection from %s: %s", peer, e)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return  # the client closed the connection (or it was closed for a newer one)
+        except WireError:
+            self.admission.refuse(MALFORMED)
         except Exception:
             log.exception("side channel: handler failed for a request from %s", peer)
         finally:
-            self._num_connections -= 1
+            self.admission.release(slot)
             writer.close()
 
-    async def _answer(self, frame: Message, peer: object) -> Message:
-        """The reply to one frame: the handler's (sealed when there is a secret) or a short Refused."""
+    def _open(self, frame: Message) -> Message:
+        """The request inside a client's frame, or the Refused to answer it with (naming only the check)."""
         if self._auth is None:
             if isinstance(frame, Sealed | Refused):
                 return Refused("this instance has no deployment secret; the deployment disagrees on it")
-            return await self._handler(frame)
+            return frame
         try:
-            msg = self._auth.open_request(frame)
-        except (PeerRefused, WireError) as e:
-            log.warning("side channel: refused a request from %s: %s", peer, e)
-            return Refused(str(e) if isinstance(e, PeerRefused) else "not authenticated: malformed frame")
+            return self._auth.open_request(frame)
+        except PeerRefused as e:
+            return Refused(str(e))
+        except WireError:
+            return Refused("not authenticated: malformed frame")
+
+    async def _reply(self, frame: Message, msg: Message) -> Message:
+        """The handler's answer to an opened request (sealed when there is a secret)."""
+        reply = await self._handler(msg)
+        if self._auth is None:
+            return reply
         assert isinstance(frame, Sealed)
-        return self._auth.seal_reply(frame, await self._handler(msg))
+        return self._auth.seal_reply(frame, reply)
 
     # ---- client -------------------------------------------------------------------------------------------------
     def request(self, host: str, port: int, msg: Message, timeout_s: float, callback: ReplyCallback) -> None:
@@ -230,16 +246,46 @@ class SideChannel:
             callback(reply, None)
 
     async def _exchange(self, host: str, port: int, msg: Message) -> Message:
+        """One request and its reply, on an idle pooled connection to host:port if there is one (one the server
+        closed meanwhile is retried once on a new connection), else on a new one; kept for reuse after."""
+        key = (host, port)
+        pooled = self._take_pooled(key)
+        if pooled is not None:
+            try:
+                return await self._round_trip(key, *pooled, msg)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass  # closed by the server (idle, restarted): a new connection says what is there now
         reader, writer = await asyncio.open_connection(host, port)
+        return await self._round_trip(key, reader, writer, msg)
+
+    async def _round_trip(
+        self, key: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: Message
+    ) -> Message:
+        kept = False
         try:
             if self._auth is None:
                 await write_frame(writer, msg)
                 reply = await read_frame(reader)
                 if isinstance(reply, Refused | Sealed):
                     raise PeerRefused(reply.reason if isinstance(reply, Refused) else "the peer sent a sealed reply")
-                return reply
-            sealed = self._auth.seal_request(msg)
-            await write_frame(writer, sealed)
-            return self._auth.open_reply(sealed, await read_frame(reader))
-        finally:
+            else:
+                sealed = self._auth.seal_request(msg)
+                await write_frame(writer, sealed)
+                reply = self._auth.open_reply(sealed, await read_frame(reader))
+            conns = self._pool.setdefault(key, [])
+            if len(conns) < POOL_PER_ADDRESS:
+                conns.append((reader, writer, time.monotonic()))
+                kept = True
+            return reply
+        finally:  # (also on a timeout's cancellation: a connection with a request in flight is never reused)
+            if not kept:
+                writer.close()
+
+    def _take_pooled(self, key: tuple[str, int]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        conns, now = self._pool.get(key, []), time.monotonic()
+        while conns:
+            reader, writer, used_at = conns.pop()
+            if now - used_at < POOL_IDLE_S and not reader.at_eof() and not writer.is_closing():
+                return reader, writer
             writer.close()
+        return None

@@ -9,6 +9,7 @@ Threads of one worker (one per instance / rank):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -186,7 +187,7 @@ class NixlWorker(ConnectorWorker):
         return self.sink.drain()
 
     def stats(self) -> TransferStats:
-        return self.sink.stats()
+        return dataclasses.replace(self.sink.stats(), side_channel_refused=self.side.refusal_counts())
 
     def shutdown(self) -> None:
         self.side.close()
