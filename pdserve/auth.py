@@ -103,6 +103,10 @@ class ReplayGuard:
         self._seen[key] = expires_at
         return True
 
+    def __contains__(self, key: str) -> bool:
+        """Whether `key` was presented before (and not forgotten); records nothing."""
+        return key in self._seen
+
 
 def new_nonce() -> str:
     return os.urandom(NONCE_BYTES).hex()

@@ -26,11 +26,13 @@ from pdserve.engine.client import (
     EngineCommand,
     EngineInfo,
     EngineStats,
+    RefuseTransfer,
     ReleaseRequest,
 )
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.transfer.params import PullSource, PushSource
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +115,11 @@ class AsyncEngine:
         Closing the generator early (client gone) aborts the request."""
         if not self.is_ready or self._engine is None:
             raise RuntimeError(self._error or "engine is not ready")
-        self._engine.validate(list(command.prompt_token_ids), command.params)  # reads only fixed limits
+        try:
+            self._engine.validate(list(command.prompt_token_ids), command.params)  # reads only fixed limits
+        except ValueError:
+            self._refused(command)
+            raise
         request_id = command.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -137,6 +143,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.append(AbortRequest(request_id))
         self._wake.set()
+
+    def refuse_transfer(self, source: PullSource | PushSource) -> None:
+        if self.is_ready:
+            self._inbox.append(RefuseTransfer(source))
+            self._wake.set()
+
+    def _refused(self, command: AddRequest) -> None:
+        """The engine refused this request before queueing it: its producer frees the KV it names now."""
+        if isinstance(source := command.kv_transfer_params, PullSource | PushSource):
+            self.refuse_transfer(source)
 
     async def release(self, command: ReleaseRequest) -> bool:
         if not self.is_ready:
@@ -188,6 +204,9 @@ class AsyncEngine:
                     self._send(command.request_id, out)
                 command.reply.set_result(out is not None)
                 continue
+            if isinstance(command, RefuseTransfer):
+                engine.refuse_transfer(command.source)
+                continue
             if isinstance(command, ReleaseRequest):
                 found, out = engine.release(command.request_id, command.transfer_id)
                 if out is not None:
@@ -204,9 +223,11 @@ class AsyncEngine:
                 )
             except ValueError as e:
                 self._send(command.request_id, e)
+                self._refused(command)
             except Exception as e:  # a request the engine cannot take fails alone, never the loop
                 log.exception("request %s could not be added", command.request_id)
                 self._send(command.request_id, RuntimeError(f"engine error: {type(e).__name__}: {e}"))
+                self._refused(command)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs over with one call_soon_threadsafe per event loop, not one per output: each

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer.params import KVTransferParams
+from pdserve.transfer.params import KVTransferParams, PullSource, PushSource
 
 if TYPE_CHECKING:
     from pdserve.model.tokenizer import Tokenizer
@@ -65,7 +65,16 @@ class AbortIfQueued:
     reply: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future, compare=False)
 
 
-EngineCommand = AddRequest | AbortRequest | ReleaseRequest | AbortIfQueued
+@dataclass(frozen=True)
+class RefuseTransfer:
+    """Event loop -> engine thread (D): a request carrying these transfer coordinates was refused before the
+    engine had it (the server checked their capability first): their producer frees that KV now instead of at
+    its lease (docs/architecture.md, "Release on refusal")."""
+
+    source: PullSource | PushSource
+
+
+EngineCommand = AddRequest | AbortRequest | ReleaseRequest | AbortIfQueued | RefuseTransfer
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,10 @@ class EngineClient(Protocol):
 
     async def abort_if_queued(self, request_id: str) -> bool:
         """Abort a request that has not left the engine's waiting queue; False when it has started or ended."""
+
+    def refuse_transfer(self, source: PullSource | PushSource) -> None:
+        """D: a request carrying these coordinates was refused before the engine had it; tell their producer to
+        free that KV now (no-op while the engine is not ready)."""
 
     def stats(self) -> EngineStats:
         """The latest snapshot, with the observations made since the previous call."""

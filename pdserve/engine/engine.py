@@ -29,7 +29,7 @@ from pdserve.engine.tp_group import TPGroup, TPGroupError
 from pdserve.engine.tp_transfer import TPWorker
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
-from pdserve.transfer.params import KVTransferParams, RemoteDecode
+from pdserve.transfer.params import KVTransferParams, PullSource, PushSource, RemoteDecode
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,12 @@ class LLMEngine:
             return None
         self._submit_transfers()  # push: P tells D's registration at once that this transfer is abandoned
         return self._output(req)
+
+    def refuse_transfer(self, source: PullSource | PushSource) -> None:
+        """D: a request carrying these coordinates was refused before the engine had it: its producer frees the
+        KV now (the worker tells it; nothing comes back)."""
+        self.kv_scheduler.on_refused(source)
+        self._submit_transfers()  # now: an idle D may not step soon
 
     def release(self, request_id: str | None, transfer_id: str | None) -> tuple[bool, RequestOutput | None]:
         """P: give up a request's pinned KV now (D's leg failed): (known, the aborted request's output if it was

@@ -78,6 +78,10 @@ class Scheduler:
             )  # fmt: skip
         else:  # abort or error: nothing to hand over (push: P refuses D's registration at once)
             self.connector.on_request_aborted(req.request_id)
+            source = req.kv_transfer_params
+            if reason == "abort" and req.needs_remote_kv and not req.remote_kv_ready:  # D: before its KV was asked
+                if isinstance(source, PullSource | PushSource):  # for (queued, never parked): P frees it now
+                    self.connector.on_refused(source)
         if keep:
             self.pinned[req.request_id] = req
         else:

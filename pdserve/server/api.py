@@ -37,6 +37,7 @@ from pdserve.server.prepare import (
     sampling_params,
 )
 from pdserve.server.protocol import ApiError, KVReleaseRequest, ModelCard, ModelList
+from pdserve.server.refusal import EdgeRefusal, give_back_unparsed
 from pdserve.server.render import Kind, Renderer
 from pdserve.server.state import RETRY_AFTER_S, Limits, ServerState
 from pdserve.server.streams import RequestRun
@@ -113,6 +114,8 @@ def build_app(
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         message = _validation_message(exc, request.headers.get("content-type"))
         log.info("%s %s refused with 400: %s", request.method, request.url.path, message)
+        if request.url.path.startswith("/v1/"):  # a decode leg's producer frees its KV now
+            give_back_unparsed(state, exc.body)
         return error_response(400, message)
 
     @app.exception_handler(StarletteHTTPException)
@@ -181,21 +184,24 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        state.check_ready()
-        model = state.resolve_model(body.model)
-        prompt_ids = await run_in_threadpool(  # off the event loop
-            completion_prompt_ids, body, engine.tokenizer, state.max_prompt_chars, engine.info.max_model_len
-        )
-        return await _answer(state, "completion", body, model, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS, request)
+        with EdgeRefusal(state, body.kv_transfer_params) as edge:  # refused before the engine has it: P frees it
+            state.check_ready()
+            model = state.resolve_model(body.model)
+            prompt_ids = await run_in_threadpool(  # off the event loop
+                completion_prompt_ids, body, engine.tokenizer, state.max_prompt_chars, engine.info.max_model_len
+            )
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+            return await _answer(state, "completion", body, model, prompt_ids, max_tokens, request, edge)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        state.check_ready()
-        model = state.resolve_model(body.model)
-        prompt_ids = await run_in_threadpool(  # templating: off the loop
-            chat_prompt_ids, body, engine.tokenizer, state.max_prompt_chars, engine.info.max_model_len
-        )
-        return await _answer(state, "chat", body, model, prompt_ids, None, request)
+        with EdgeRefusal(state, body.kv_transfer_params) as edge:
+            state.check_ready()
+            model = state.resolve_model(body.model)
+            prompt_ids = await run_in_threadpool(  # templating: off the loop
+                chat_prompt_ids, body, engine.tokenizer, state.max_prompt_chars, engine.info.max_model_len
+            )
+            return await _answer(state, "chat", body, model, prompt_ids, None, request, edge)
 
     return app
 
@@ -208,8 +214,10 @@ async def _answer(
     prompt_ids: list[int],
     default_max_tokens: int | None,
     request: Request,
+    edge: EdgeRefusal,
 ) -> Response:
-    """Run one request on the engine and answer it, streaming or not."""
+    """Run one request on the engine and answer it, streaming or not (refused before the engine has it: `edge`
+    gives its transfer coordinates back)."""
     engine = state.engine
     params = sampling_params(body, len(prompt_ids), engine.info.max_model_len, default_max_tokens)
     request_id = state.new_request_id()
@@ -240,6 +248,7 @@ async def _answer(
         if isinstance(e, ValueError):  # the engine refused the input at once
             raise ApiError(400, str(e)) from e
         raise
+    edge.engine_has_it = True  # from here its refusal or abort is the engine's to report to P
     run.on_close = state.release
     renderer = Renderer(kind, request_id, model, prompt_ids, body.return_token_ids, body.include_usage)
     headers = {REQUEST_ID_HEADER: client_id or request_id}

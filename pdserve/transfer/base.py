@@ -145,9 +145,15 @@ class StepMeta:
     # P: request ids of finished sends whose pins the engine gives up now (an abort, POST /kv_transfer/release);
     # each still ends as one finished send (at once, or when a WRITE in flight is over)
     releases: list[str] = field(default_factory=list)
+    # D: the coordinates of requests refused before admission (no RecvTask, no result follows): tell their
+    # producer to free that KV now (thread/give_back.py)
+    refusals: list[PullSource | PushSource] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.recvs or self.sends or self.cancels or self.expected or self.abandoned or self.releases)
+        return bool(
+            self.recvs or self.sends or self.cancels or self.expected or self.abandoned or self.releases
+            or self.refusals
+        )  # fmt: skip
 
 
 @dataclass
@@ -244,6 +250,12 @@ class ConnectorScheduler(ABC):
         the router's POST /kv_transfer/release after D's leg failed). The worker ends the send at once (pull: a
         later PullRelease is answered held=False, so D never runs on these blocks; push: a pending registration
         gets PushFail) or, with a WRITE in flight, when it is over; the blocks are freed on that finished send."""
+
+    @abstractmethod
+    def on_refused(self, source: PullSource | PushSource) -> None:
+        """D: a request carrying these coordinates was refused before it was admitted (never allocated, never
+        to run; the server checked any capability): the worker tells the producer to free that KV now instead
+        of at its lease. No result follows."""
 
     @abstractmethod
     def on_recv_aborted(self, request_id: str) -> None:

@@ -150,6 +150,22 @@ class KVAuth:
         if not self._signer.verify(purpose, fields, cap.mac):
             raise AuthError(f"kv_capability does not match the {purpose} coordinates (forged or altered)")
 
+    def may_give_back(self, params: PullSource | PushSource) -> bool:
+        """D, a request refused before admission: whether the KV its coordinates name may be handed back to their
+        producer now. Without a secret always (the coordinates are the proof, as in D's PullRelease); with one,
+        only when they carry a capability whose MAC holds for exactly these coordinates (expired, or for another
+        prompt, is fine: whoever holds it was given that KV) that this instance has not admitted before (a
+        replay: the admitted request's own transfer ends the pin). Call it before check() records the use."""
+        if self._signer is None:
+            return True
+        cap = params.capability
+        if cap is None or cap.mac in self._replays:
+            return False
+        if isinstance(params, PushSource):
+            fields = push_fields(params.transfer_id, params.engine_id, params.host, params.port, cap.expires_at)
+            return self._signer.verify(PUSH, fields, cap.mac)
+        return self._signer.verify(PULL, pull_fields(params, cap.expires_at, cap.prompt_digest), cap.mac)
+
     def _expiry(self, cap: Capability | None) -> float:
         return cap.expires_at if cap is not None else 0.0
 

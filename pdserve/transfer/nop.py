@@ -54,6 +54,9 @@ class NopScheduler(ConnectorScheduler):
     def on_pin_released(self, request_id: str) -> None:
         pass  # nothing is ever pinned
 
+    def on_refused(self, source: PullSource | PushSource) -> None:
+        pass  # no transfer layer to tell the producer: its lease frees the KV
+
     def on_recv_aborted(self, request_id: str) -> None:
         raise RuntimeError("a colocated instance never waits for remote KV")
 

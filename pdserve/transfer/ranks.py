@@ -22,7 +22,8 @@ from pdserve.transfer.params_decode import decode as decode_params
 # 2: RecvTask/SendTask block_tables (sliding-window models: a table per KV group) (2026-12-04).
 # 3: TransferResults.landed_from (per finished recv, each KV group's first token landed) (2026-12-05).
 # 4: TransferStats.checksum_failures (--kv-checksum) (2026-12-03).
-RANKS_VERSION = 4
+# 5: StepMeta.refusals (D: coordinates of requests refused before admission, for their producer) (2026-12-03).
+RANKS_VERSION = 5
 
 
 class RanksError(ValueError):
@@ -36,7 +37,8 @@ def encode_meta(meta: StepMeta) -> bytes:
              for s in meta.sends]  # fmt: skip
     return msgpack.packb(
         {"v": RANKS_VERSION, "recvs": recvs, "sends": sends, "cancels": meta.cancels,
-         "expected": [list(e) for e in meta.expected], "abandoned": meta.abandoned, "releases": meta.releases},
+         "expected": [list(e) for e in meta.expected], "abandoned": meta.abandoned, "releases": meta.releases,
+         "refusals": [encode_params(s) for s in meta.refusals]},
     )  # fmt: skip
 
 
@@ -49,8 +51,14 @@ def decode_meta(data: bytes) -> StepMeta:
             raise RanksError(f"recv {rid}: its source is not a prefill's coordinates")
         recvs.append(RecvTask(rid, tuple(blocks), start, num, src, attempt, _tables(tables)))
     sends = [SendTask(rid, tuple(blocks), num, tid, _tables(tables)) for rid, blocks, num, tid, tables in m["sends"]]
+    refusals: list[PullSource | PushSource] = []
+    for raw in m["refusals"]:
+        src = decode_params(raw)
+        if not isinstance(src, PullSource | PushSource):
+            raise RanksError("a refusal's source is not a prefill's coordinates")
+        refusals.append(src)
     return StepMeta(recvs, sends, list(m["cancels"]), [(a, b) for a, b in m["expected"]], list(m["abandoned"]),
-                    list(m["releases"]))  # fmt: skip
+                    list(m["releases"]), refusals)  # fmt: skip
 
 
 def _tables(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:

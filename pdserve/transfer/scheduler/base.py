@@ -54,6 +54,9 @@ class SchedulerBase:
     ) -> RecvTask:
         return RecvTask(request_id, block_ids, start, num_tokens, source)
 
+    def on_refused(self, source: PullSource | PushSource) -> None:
+        self.meta.refusals.append(source)
+
     def on_recv_aborted(self, request_id: str) -> None:
         self.meta.cancels.append(request_id)  # blocks were allocated (the request was parked): a result follows
 

@@ -23,6 +23,7 @@ from pdserve.transfer.layout import LayoutError, descriptors, group_segments, nu
 from pdserve.transfer.params import PullSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
 from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.give_back import give_back
 from pdserve.transfer.thread.kv_verify import consumer_sums, mismatch, release_request
 from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
@@ -59,6 +60,8 @@ class PullCore:
             self._start(recv, now)
         for rid in meta.cancels:
             self._cancel(rid)
+        for source in meta.refusals:  # D refused these before admission: P frees the pins now
+            give_back(self.ctx, source)
 
     def on_notif(self, sender: str, msg: Message, now: float) -> None:
         if isinstance(msg, PullRelease):

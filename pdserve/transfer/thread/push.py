@@ -10,6 +10,7 @@ import logging
 
 from pdserve.transfer.base import StepMeta
 from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.give_back import give_back
 from pdserve.transfer.thread.push_recv import RecvSide
 from pdserve.transfer.thread.push_send import SendSide
 from pdserve.transfer.thread.worker import NixlWorker
@@ -23,6 +24,7 @@ class PushCore:
     """Both push halves on the transfer thread (an instance may be a producer and a consumer at once)."""
 
     def __init__(self, ctx: TransferContext) -> None:
+        self.ctx = ctx
         self.send = SendSide(ctx)
         self.recv = RecvSide(ctx)
 
@@ -39,6 +41,8 @@ class PushCore:
             self.recv.on_recv(r, now)
         for rid in meta.cancels:
             self.recv.on_cancel(rid)
+        for source in meta.refusals:  # D refused these before registering: P gives the transfers up now
+            give_back(self.ctx, source)
 
     def on_notif(self, sender: str, msg: Message, now: float) -> None:
         if isinstance(msg, PushRegister):

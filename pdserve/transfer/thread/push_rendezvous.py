@@ -61,6 +61,9 @@ class Rendezvous:
     error: str = ""  # the first failure's
     num_bytes: int = 0  # written so far, over every D rank
     seconds: float | None = None  # the longest WRITE's duration
+    # why D gave the transfer up (PushCancel of a rank's newest attempt, or a refusal) before the prefill was
+    # handed over: it is freed when it is, unless a D rank registers a newer attempt first (None: not given up)
+    given_up: str | None = None
 
     def dest(self, d_rank: int) -> DestPart:
         return self.dests.setdefault(d_rank, DestPart())

@@ -30,6 +30,7 @@ import time
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.thread.context import TransferContext
+from pdserve.transfer.thread.give_back import REFUSED
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.thread.push_rendezvous import Expected, FinishedTransfers, Registration, Rendezvous
 from pdserve.transfer.thread.push_write import WriteOver, check_write, notify, post_write
@@ -51,8 +52,8 @@ class SendSide:
 
     # ---- P's own requests: expected at arrival, then exactly one send or abandon ------------------------------------
     def on_expect(self, request_id: str, tid: str, now: float) -> None:
-        if tid in self.finished:  # its send will be refused as a second prefill
-            log.warning("push: request %s produces transfer %s, which is already over", request_id, tid)
+        if (fin := self.finished.get(tid)) is not None:  # its send is freed at once (_add_send)
+            log.info("push: request %s produces transfer %s, which is already over (%s)", request_id, tid, fin[1])
             return
         self.producers.add(request_id, tid)
         r = self.rv.get(tid)
@@ -80,6 +81,10 @@ class SendSide:
         assert tid is not None  # the push scheduler half sends only tasks with a transfer id
         self.producers.remove(task.request_id)
         r = self.rv.get(tid) or Rendezvous(tid)
+        if (fin := self.finished.get(tid)) is not None and r.send is None and not r.writing:
+            log.info("push: transfer %s is over (%s); freeing request %s's prefill", tid, fin[1], task.request_id)
+            self.ctx.sink.send_finished(task.request_id, SendOutcome.FAILED)
+            return
         if r.send is not None or r.writing or tid in self.finished:
             log.warning("push: a second prefill for transfer %s (request %s); freeing it", tid, task.request_id)
             self.ctx.sink.send_finished(task.request_id, SendOutcome.FAILED)
@@ -87,6 +92,10 @@ class SendSide:
         self.rv[tid] = r
         r.send = task
         self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire_send(tid, task))
+        if r.given_up is not None:  # D gave up while P computed it, and registered nothing newer since
+            log.info("push: transfer %s: %s; freeing request %s's prefill", tid, r.given_up, task.request_id)
+            self._give_up(r, SendOutcome.FAILED, r.given_up)
+            return
         for d_rank, x in list(r.dests.items()):
             if x.reg is not None:
                 self.ctx.sink.event(task.request_id, "registration_received", x.reg.received_at)
@@ -169,6 +178,7 @@ class SendSide:
             self._fail(peer, tid, msg.attempt, f"attempt {msg.attempt} is superseded by attempt {x.max_attempt}")
             return
         x.max_attempt = msg.attempt
+        r.given_up = None  # a newer attempt: D wants the KV after all
         if x.reg is not None:
             self._fail(x.reg.peer, tid, x.reg.msg.attempt, f"superseded by attempt {msg.attempt}")
         reg = x.reg = Registration(msg, peer, time.time())
@@ -230,7 +240,27 @@ class SendSide:
             landed = x.ended[0] == attempt
         else:
             landed = (fin := self.finished.get(tid)) is not None and fin[0].get(d_rank) == attempt
-        notify(self.ctx, sender, PushCancelAck(tid, attempt, self.ctx.spec.tp_rank, landed))
+        if not landed and attempt >= (x.max_attempt if x is not None else REFUSED):
+            # that D rank gave its newest attempt up (timeout, abort) or refused the request before registering
+            self._consumer_gave_up(tid, attempt == REFUSED)
+        if attempt != REFUSED:  # a refusal waits for no answer
+            notify(self.ctx, sender, PushCancelAck(tid, attempt, self.ctx.spec.tp_rank, landed))
+
+    def _consumer_gave_up(self, tid: str, refused: bool) -> None:
+        """D gave the transfer up: free the finished prefill now (once a WRITE to another D rank is over), or, still
+        queued or running here, as soon as it is handed over unless a D rank registers a newer attempt first. A
+        refusal of a transfer P has not heard of yet (both legs leave the router at once) ends it: its prefill is
+        freed on arrival."""
+        why = "the decode instance refused the request" if refused else "the decode instance gave the transfer up"
+        r = self.rv.get(tid)
+        if r is not None and (r.send is not None or r.writing):
+            log.info("push: transfer %s: %s; freeing its blocks", tid, why)
+            self._give_up(r, SendOutcome.FAILED, why)
+        elif tid in self.producers:
+            self.rv.setdefault(tid, Rendezvous(tid)).given_up = why
+        elif refused and tid not in self.finished:
+            log.info("push: transfer %s: %s before this instance had its prefill", tid, why)
+            self._done(r or Rendezvous(tid), why)
 
     # ---- the write (push_write.py) ----------------------------------------------------------------------------------
     def _write(self, r: Rendezvous, d_rank: int) -> None:
