@@ -8,7 +8,9 @@ the router; `pdserve sweep` and `pdserve demo` generate one). With it:
   already used, before it allocates or dials anything;
 - **the side channel**: both ends prove they hold the secret (an HMAC over the other side's fresh nonce) before
   any peer information is sent.
-Without a secret every instance accepts unsigned params and unauthenticated peers, and says so at startup.
+Without a secret every instance accepts unsigned params and unauthenticated peers, and says so at startup; it
+then listens and dials on loopback addresses only, unless the operator passes INSECURE_FLAG (is_loopback,
+unauthenticated_listen_error; docs/deploy.md).
 
 Pure Python (hmac, hashlib): the router imports it.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import secrets
@@ -29,6 +32,7 @@ MAC_HEX_CHARS = 64  # HMAC-SHA256, hex
 NONCE_BYTES = 16
 DEFAULT_TTL_S = 600.0  # a capability is good for this long after it was issued
 MAX_CLOCK_SKEW_S = 60.0  # side-channel hellos older or newer than this are refused
+INSECURE_FLAG = "--insecure-no-kv-auth"  # serve and proxy: run without a deployment secret beyond loopback
 
 
 class AuthError(ValueError):
@@ -110,3 +114,28 @@ class ReplayGuard:
 
 def new_nonce() -> str:
     return os.urandom(NONCE_BYTES).hex()
+
+
+def is_loopback(host: str) -> bool:
+    """host is a loopback address (127.0.0.0/8, ::1) or "localhost"; a wildcard or any other name is not (a name
+    is never resolved here: it could resolve anywhere later)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def unauthenticated_listen_error(addresses: dict[str, str]) -> str | None:
+    """Why a process without a deployment secret must not listen on these addresses ({flag: address}), or None
+    when every one is a loopback address."""
+    exposed = [f"{flag} {address}" for flag, address in addresses.items() if not is_loopback(address)]
+    if not exposed:
+        return None
+    return (
+        f"{' and '.join(exposed)} is not a loopback address and there is no deployment secret: anyone who reaches "
+        "it could read other requests' KV, poison the prefix cache or make this deployment dial out. Give every "
+        "instance and the router the same --kv-auth-secret-file, or pass " + INSECURE_FLAG + " to run "
+        "unauthenticated beyond loopback anyway (docs/deploy.md)"
+    )

@@ -56,8 +56,9 @@ class LLMEngine:
             self.kv_worker = TPWorker(self.kv_worker, self.ranks)  # every rank moves its own KV slice
         self.pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
-            config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler, loaded.decoder.kv_groups
-        )
+            config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler, loaded.decoder.kv_groups,
+            cache_received_kv=config.transfer.auth_secret is not None,  # only KV proven to be of its prompt (issue 26)
+        )  # fmt: skip
         self.runner = ModelRunner(
             loaded.decoder,
             kv_cache,

@@ -3,7 +3,8 @@
 Block hashes are chained (engine/block_pool.hash_block) and memoised on the request; a windowed KV group
 (model/kv_groups.py) keys its blocks apart from group 0's and needs only the window's blocks, the entries before
 them STALE. Lives apart from the scheduler because it is one policy with its own invariants (a hit never covers
-the last token; a block with rows D never received is never registered) that the token-budget loop only calls.
+the last token; a block with rows D never received is never registered, nor any block of a request whose KV was
+received unauthenticated: Request.cache_blocks) that the token-budget loop only calls.
 Pure Python, no torch.
 """
 
@@ -75,7 +76,7 @@ class PrefixCache:
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's newly full blocks (those computed since the last call) under their hashes."""
         num_full = req.num_computed_tokens // self.block_size
-        if num_full <= req.num_hashed_blocks or not self.pool.enable_prefix_caching:
+        if num_full <= req.num_hashed_blocks or not self.pool.enable_prefix_caching or not req.cache_blocks:
             return
         hashes = self._hashes(req, num_full)
         for g, table in enumerate(req.block_tables):

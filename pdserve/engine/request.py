@@ -39,6 +39,9 @@ class Request:
     # valid). A windowed group's first block may hold unreceived rows before it (the prefill's blocks were
     # smaller); attention never reads them, but such a block is never registered in the prefix cache
     kv_valid_from: list[int] = field(default_factory=list)
+    # D: False when its prompt's KV came from a remote prefill with no proof that it is this prompt's (no
+    # deployment secret): none of its blocks past its own prefix hit may serve another request
+    cache_blocks: bool = True
     block_hashes: list[bytes] = field(default_factory=list)  # chained digest of each full block, computed lazily
     needs_remote_kv: bool = False  # D: prompt KV comes from a remote prefill
     remote_kv_ready: bool = False  # D: that KV has landed; compute only the last prompt token

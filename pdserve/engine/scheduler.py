@@ -33,6 +33,7 @@ class Scheduler:
         max_model_len: int,
         connector: ConnectorScheduler,
         kv_groups: KVGroups | None = None,  # default: one group of full-attention layers
+        cache_received_kv: bool = True,  # D: KV received from a prefill may enter the prefix cache (see below)
     ) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -40,6 +41,12 @@ class Scheduler:
         self.kv_groups = kv_groups or KVGroups.of((), 1)
         self.max_model_len = max_model_len
         self.connector = connector
+        # True only where received KV is proven to be of the request's prompt (a deployment secret: D checked P's
+        # signed digest of the tokens). Without that proof a client could pair its prompt with another prompt's
+        # KV; registering those blocks under its prompt's hashes would serve them to every later request with
+        # that prefix. Unproven KV serves its own request only (which runs on what its client pointed it at);
+        # later requests get their prompt's KV moved again, so their greedy output is unchanged.
+        self.cache_received_kv = cache_received_kv
         self.tables = BlockTables(pool, block_size, self.kv_groups)  # requests' blocks per KV group
         self.prefix_cache = PrefixCache(pool, block_size, self.kv_groups)  # hits at admission, blocks after steps
         self.waiting: deque[Request] = deque()
@@ -130,6 +137,7 @@ class Scheduler:
         req = self.waiting_for_kv.pop(request_id)
         req.remote_kv_ready = True
         req.kv_valid_from = list(landed_from)
+        req.cache_blocks = self.cache_received_kv
         req.num_cached_tokens = req.num_prompt_tokens - 1
         req.num_computed_tokens = req.num_prompt_tokens - 1
         req.status = RequestStatus.WAITING

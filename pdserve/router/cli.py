@@ -9,6 +9,7 @@ import logging
 import sys
 
 from pdserve.arg_types import port, positive_float, positive_int
+from pdserve.auth import INSECURE_FLAG, unauthenticated_listen_error
 from pdserve.credentials import add_internal_key_arguments, load_key
 from pdserve.router.policy import MODES, POLICIES
 
@@ -94,6 +95,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-auth-secret-file", default=None, metavar="PATH", help="read the deployment secret from this file"
     )
+    p.add_argument(
+        INSECURE_FLAG,
+        action="store_true",
+        help="INSECURE: in pull or push mode, listen on a non-loopback --host without a deployment secret (the "
+        "instances behind it then take unsigned KV coordinates from anyone who reaches them). Default: refused at "
+        "startup; give the deployment's --kv-auth-secret-file instead",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
@@ -128,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2
+    if config.kv_auth_secret is None and config.mode != "colocated":
+        refusal = None if args.insecure_no_kv_auth else unauthenticated_listen_error({"--host": args.host})
+        if refusal is not None:
+            print(f"pdserve proxy: {refusal}", file=sys.stderr)
+            return 2
     if config.kv_auth_secret is None:
         logging.getLogger("pdserve.router").warning(
             "no --kv-auth-secret: push transfer params are not signed (instances with a secret refuse them)"

@@ -8,6 +8,7 @@ import os
 import sys
 
 from pdserve.arg_types import non_negative_int, port, positive_float, positive_int
+from pdserve.auth import unauthenticated_listen_error
 from pdserve.config import (
     CacheConfig,
     ConfigError,
@@ -179,6 +180,11 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
     if config.transfer.is_disaggregated and config.transfer.auth_secret is None:
+        listens = {"--host": args.host, "--kv-side-channel-host": config.transfer.side_channel_host}
+        refusal = None if args.insecure_no_kv_auth else unauthenticated_listen_error(listens)
+        if refusal is not None:
+            print(f"pdserve serve: {refusal}", file=sys.stderr)
+            return 2
         log.warning(
             "no --kv-auth-secret: kv_transfer_params and side-channel peers are NOT authenticated; anyone who "
             "reaches this instance can read or write KV through it (docs/deploy.md)"
@@ -215,7 +221,7 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         max_body_bytes=int(args.max_body_mb * 2**20),
         credentials=credentials,
         limits=Limits(args.max_inflight_requests, args.max_queue_wait_s),
-        kv_auth=KVAuth(config.transfer.auth_secret),
+        kv_auth=KVAuth(config.transfer.auth_secret, allow_unsigned_remote=args.insecure_no_kv_auth),
     )
     t = config.transfer
     log.info(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.arg_types import port, positive_float
-from pdserve.auth import load_secret
+from pdserve.auth import INSECURE_FLAG, load_secret
 from pdserve.config import TransferConfig
 from pdserve.server.kv_transfer_config import parse_kv_transfer_config
 from pdserve.transfer.faults import NO_FAULTS, Faults
@@ -90,6 +90,14 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--kv-auth-secret-file", default=None, metavar="PATH", help="read the deployment secret from this file"
+    )
+    g.add_argument(
+        INSECURE_FLAG,
+        action="store_true",
+        help="INSECURE: with --kv-role prefill/decode and no deployment secret, listen on a non-loopback --host or "
+        "--kv-side-channel-host and dial a prefill instance at a non-loopback address a client names. Anyone who "
+        "reaches this instance can then read other requests' KV and make it dial out. Default: refused at startup "
+        "(listen) or with 403 (dial); give a --kv-auth-secret-file instead",
     )
     g.add_argument(
         "--kv-net-devices",

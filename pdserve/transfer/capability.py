@@ -13,7 +13,9 @@ Who issues, who checks, over what (auth.Signer, HMAC-SHA256 with the deployment 
 Every instance refuses a capability it has seen before (ReplayGuard keyed by the MAC, per instance).
 
 Checked before the engine allocates a block or the transfer thread dials anything. Without a secret nothing
-is signed or checked (`KVAuth(None)`); an instance says so once at startup (server/cli.py).
+is signed or checked (`KVAuth(None)`); an instance says so once at startup (server/cli.py), and D dials only a
+loopback address a client names (unless started with --insecure-no-kv-auth: `allow_unsigned_remote`), so a
+client cannot make it send its peer info to any host:port.
 Pure Python: the router imports it.
 """
 
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pdserve.auth import AuthError, ReplayGuard, Signer, prompt_digest
+from pdserve.auth import INSECURE_FLAG, AuthError, ReplayGuard, Signer, is_loopback, prompt_digest
 from pdserve.transfer.params import Capability, KVTransferParams, PullSource, PushSource, RemoteDecode
 
 PULL = "pull"
@@ -48,8 +50,11 @@ class KVAuth:
     """Issues and checks capabilities for one instance (or the router). `KVAuth(None)`: nothing signed or
     checked. issue_* may run on any thread; check() keeps the replay memory and runs on the event loop only."""
 
-    def __init__(self, secret: bytes | None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, secret: bytes | None, clock: Callable[[], float] = time.time, allow_unsigned_remote: bool = False
+    ) -> None:
         self._signer = Signer(secret) if secret else None
+        self._allow_unsigned_remote = allow_unsigned_remote  # without a secret: dial peers beyond loopback
         self._replays = ReplayGuard()
         self._clock = clock
 
@@ -82,7 +87,10 @@ class KVAuth:
         """Raise AuthError naming the problem when params carry coordinates that were not issued to this request:
         unsigned, forged or altered, expired, already used, or (pull) for other tokens than this prompt's.
         `local` is this instance's /kv_transfer/info (a push P checks that the capability names it)."""
-        if self._signer is None or params is None:
+        if params is None:
+            return
+        if self._signer is None:
+            self._check_unsigned_address(params)
             return
         if isinstance(params, RemoteDecode):
             if params.transfer_id is None and params.capability is None:
@@ -149,6 +157,17 @@ class KVAuth:
             purpose = PUSH
         if not self._signer.verify(purpose, fields, cap.mac):
             raise AuthError(f"kv_capability does not match the {purpose} coordinates (forged or altered)")
+
+    def _check_unsigned_address(self, params: KVTransferParams) -> None:
+        """Without a secret nobody vouches for the address a D leg names: dial only loopback (or what the
+        operator allowed)."""
+        host = params.host if isinstance(params, PullSource | PushSource) else None
+        if host is not None and not self._allow_unsigned_remote and not is_loopback(host):
+            raise AuthError(
+                f"kv_transfer_params name the prefill instance at {host}, which is not a loopback address; without "
+                f"a deployment secret this instance dials only loopback peers (start the deployment with "
+                f"--kv-auth-secret-file, or this instance with {INSECURE_FLAG})"
+            )
 
     def may_give_back(self, params: PullSource | PushSource) -> bool:
         """D, a request refused before admission: whether the KV its coordinates name may be handed back to their

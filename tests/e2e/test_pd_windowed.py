@@ -23,6 +23,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_t
 # group's) make a prefix hit of 14 blocks for EXTENDED, which moves only the rest
 PROMPTS = ["The quick brown fox jumps over the lazy dog, twice.", "sliding windows: " + "abcdefgh" * 4 + "abcdef"]
 EXTENDED = PROMPTS[1] + " and then some more"
+AUTH = ("--kv-auth-secret", "windowed-test-deployment-secret-0123456789")
 
 
 @dataclass
@@ -35,8 +36,10 @@ class Family:
 
 @pytest.fixture(scope="module")
 def families(launcher: Launcher, tiny_model_dirs: dict[str, Path]) -> dict[str, Family]:
+    # with a deployment secret: D caches received KV only when it is proven to be of its prompt (issue 26), and
+    # EXTENDED's prefix hit on D is part of what is checked
     def serve(model: Path, name: str, *args: str) -> Proc:
-        return launcher.serve(model, "--num-gpu-blocks", "64", "--block-size", str(BS), *args, name=name)
+        return launcher.serve(model, "--num-gpu-blocks", "64", "--block-size", str(BS), *args, *AUTH, name=name)
 
     out = {}
     for fam, modes in (("gemma3", ("pull", "push")), ("mistral_swa", ("pull",))):
@@ -46,7 +49,7 @@ def families(launcher: Launcher, tiny_model_dirs: dict[str, Path]) -> dict[str, 
         out[fam] = Family(serve(model, f"{fam}-ref", "--kv-role", "both"), p, d, {})
     launcher.wait_ready()
     for fam, f in out.items():
-        f.routers = {m: launcher.proxy(m, [f.p[m]], [f.d[m]], name=f"router-{fam}-{m}") for m in f.p}
+        f.routers = {m: launcher.proxy(m, [f.p[m]], [f.d[m]], *AUTH, name=f"router-{fam}-{m}") for m in f.p}
     launcher.wait_ready()
     return out
 

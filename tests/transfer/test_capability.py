@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.auth import AuthError
+from pdserve.auth import AuthError, is_loopback, unauthenticated_listen_error
 from pdserve.transfer.capability import KVAuth
 from pdserve.transfer.params import Mode, PullSource, PushSource, RemoteDecode, encode
 from pdserve.transfer.params_decode import decode
@@ -83,3 +83,21 @@ def test_malformed_capability_is_a_params_error() -> None:
     for bad in ("x", {"mac": "ab"}, {"expires_at": "soon", "mac": "ab"}, {"expires_at": 1.0, "mac": 5}):
         with pytest.raises(ValueError, match="kv_capability"):
             decode({**raw, "kv_capability": bad})
+
+
+def test_without_a_secret_d_dials_only_loopback_unless_allowed() -> None:
+    far = dataclasses.replace(SRC, host="10.0.0.9")
+    with pytest.raises(AuthError, match="not a loopback address"):
+        KVAuth(None).check(far, PROMPT, {})
+    with pytest.raises(AuthError, match="not a loopback address"):
+        KVAuth(None).check(PushSource("t", "example.com", 5600, "p-1"), PROMPT, {})  # names are never resolved
+    for host in ("127.0.0.2", "::1", "localhost"):
+        KVAuth(None).check(dataclasses.replace(SRC, host=host), PROMPT, {})
+    KVAuth(None, allow_unsigned_remote=True).check(far, PROMPT, {})  # --insecure-no-kv-auth
+
+
+def test_listening_beyond_loopback_without_a_secret_is_refused_naming_the_flag() -> None:
+    assert unauthenticated_listen_error({"--host": "127.0.0.1", "--kv-side-channel-host": "localhost"}) is None
+    error = unauthenticated_listen_error({"--host": "0.0.0.0", "--kv-side-channel-host": "127.0.0.1"})
+    assert error is not None and "--host 0.0.0.0" in error and "--insecure-no-kv-auth" in error
+    assert not is_loopback("10.0.0.1") and is_loopback("127.1.2.3") and not is_loopback("::")

@@ -1,5 +1,7 @@
 """Scheduler: token budget, chunked prefill, preemption, prefix hits, remote-KV parking (no torch)."""
 
+import pytest
+
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request, RequestStatus
@@ -228,3 +230,20 @@ def test_abort_if_queued_spares_every_request_that_started():
         run_step(s)
     assert s.requests["d"].status is RequestStatus.WAITING_FOR_REMOTE_KV
     assert s.abort_if_queued("d") is None and s.abort_if_queued("nobody") is None
+
+
+@pytest.mark.parametrize("cache_received_kv", [True, False])
+def test_received_kv_enters_the_prefix_cache_only_when_proven(cache_received_kv: bool) -> None:
+    """Without a deployment secret (cache_received_kv False) nothing proves that received KV is of the request's
+    prompt: none of that request's blocks may serve a later request with the same prefix (issue 26)."""
+    pool = BlockPool(64, True)
+    s = Scheduler(SchedulerConfig(8, 64), pool, 4, 1024, RecordingConnector(4), cache_received_kv=cache_received_kv)
+    s.add(req("d", 10, max_tokens=3, params=SOURCE))
+    s.schedule()
+    s.on_kv_received("d")
+    while s.requests:
+        run_step(s)
+    s.add(req("b", 10, max_tokens=1))  # the same prompt, computed here
+    out = run_step(s)
+    assert out.chunks[0].start_pos == (8 if cache_received_kv else 0)
+    assert pool.num_free == pool.num_blocks

@@ -118,6 +118,16 @@ def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent, ep
     )
 
 
+def refusal_info(info: PeerInfo) -> PeerInfo:
+    """What a refused handshake tells the peer: the compatibility fields (and TP shape) it needs to name the
+    difference from its side, nothing that locates or reaches this instance (no agent name or NIXL metadata, no
+    addresses, ports, cache layout or epoch)."""
+    return dataclasses.replace(
+        info, agent_name="", agent_metadata=b"", base_addr=0, num_blocks=0, block_size=0, token_bytes=0,
+        device_id=0, memory="", rank_ports=[], epoch=0,
+    )  # fmt: skip
+
+
 class NixlWorker(ConnectorWorker):
     """Subclasses provide make_core(ctx) -> ModeCore."""
 
@@ -208,7 +218,7 @@ class NixlWorker(ConnectorWorker):
         err = incompatibility(ctx.local, msg.peer, local_is_producer=True)
         if err is not None:
             log.warning("refused a handshake: %s", err)
-            return HandshakeReply(False, ctx.local, err)  # our info lets the peer word the error its way
+            return HandshakeReply(False, refusal_info(ctx.local), err)  # lets the peer word the error its way
         if msg.load_me:
             try:
                 await asyncio.wrap_future(self.thread.call(lambda: ctx.peers.accept(msg.peer)))
