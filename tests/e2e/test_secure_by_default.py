@@ -224,6 +224,9 @@ def test_d_dials_no_address_a_client_names_beyond_loopback(deployment: Deploymen
         assert "not a loopback address" in resp.json()["error"]["message"]
         m = scrape_metrics(d.url)
         assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] and m["pdserve_requests_waiting_for_kv"] == 0
+    time.sleep(6.0)  # past a handshake's timeout (5 s): a dial to 10.0.0.9 (e.g. to give the KV back) would be logged
+    for mode in ("pull", "push"):
+        assert "10.0.0.9:5600" not in deployment.pairs[(mode, "open")].d.log_text()  # (the 403 names no port)
 
 
 def test_unauthenticated_kv_never_enters_ds_prefix_cache(deployment: Deployment) -> None:

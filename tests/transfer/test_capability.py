@@ -101,3 +101,9 @@ def test_listening_beyond_loopback_without_a_secret_is_refused_naming_the_flag()
     error = unauthenticated_listen_error({"--host": "0.0.0.0", "--kv-side-channel-host": "127.0.0.1"})
     assert error is not None and "--host 0.0.0.0" in error and "--insecure-no-kv-auth" in error
     assert not is_loopback("10.0.0.1") and is_loopback("127.1.2.3") and not is_loopback("::")
+
+
+def test_without_a_secret_kv_is_given_back_only_where_d_would_dial() -> None:
+    far = dataclasses.replace(SRC, host="10.0.0.9")
+    assert KVAuth(None).may_give_back(SRC) and not KVAuth(None).may_give_back(far)
+    assert KVAuth(None, allow_unsigned_remote=True).may_give_back(far)
