@@ -46,7 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prompts exactly, text (chat: all message contents) as UTF-8 bytes / 4. The log line says route=whole and "
         "counts them (whole_total). Default: every request is disaggregated",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1); in pull or push mode beyond loopback only with the deployment "
+        "secret (--kv-auth-secret-file) or --insecure-no-kv-auth",
+    )
     p.add_argument(
         "--port", type=port, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
     )

@@ -42,7 +42,12 @@ def default_num_threads(role: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="built-in/preset name (e.g. smollm2-135m), Hugging Face model folder, or .gguf file")
     g = p.add_argument_group("HTTP")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; 0.0.0.0 for all); a prefill or decode instance listens beyond "
+        "loopback only with a deployment secret (--kv-auth-secret-file) or --insecure-no-kv-auth",
+    )
     g.add_argument(
         "--port", type=port, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
     )
