@@ -52,7 +52,7 @@ def _child(
     from pdserve.model.kv_groups import KVGroups
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
-    from pdserve.transfer.params import encode
+    from pdserve.transfer.params import PullSource, PushSource, encode
     from pdserve.transfer.params_decode import decode
 
     torch.set_num_threads(1)
@@ -120,6 +120,10 @@ def _child(
                 sched.on_pin_released(*args)
             elif cmd == "abort_request":  # P: a request ended without finishing (Scheduler.finish, abort/error)
                 sched.on_request_aborted(*args)
+            elif cmd == "refuse":  # D: a request carrying these params (JSON) was refused before admission
+                source = decode(args[0])
+                assert isinstance(source, PullSource | PushSource)
+                sched.on_refused(source)
             elif cmd == "results":
                 reply = {k: list(v) for k, v in results.items()}
             elif cmd == "kv":

@@ -2,6 +2,7 @@
 Instances are shared by the module (starting one costs seconds); request ids are unique per test."""
 
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -205,3 +206,20 @@ def test_pull_scrambled_blocks_different_block_sizes(cl):
     p_kv = p.kv()
     before, after = pull_once(p, d, "s2", p_blocks, d_blocks, 8, 30)
     assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 8, 21))
+
+
+def test_refusal_releases_the_pin_at_once(cl):
+    """Release on refusal: D refused the request before admitting it; P's pin goes now, not at its lease (30 s),
+    and only a release naming exactly the pinned blocks frees it."""
+    p, d = cl["p4"], cl["d4"]
+    for i in range(3):  # the first handshakes, the later ones find it cached
+        keep, params = p.call("finish", f"p-refused-{i}", [5, 6], 8, {"do_remote_decode": True})
+        assert keep
+        if i == 0:
+            d.call("refuse", {**params, "remote_block_ids": [5, 7]})  # other blocks: not this pin
+            time.sleep(0.3)
+            assert p.count("finished_sends", f"p-refused-{i}") == 0
+        d.call("refuse", params)
+        p.wait_send(f"p-refused-{i}", timeout=1)
+        assert p.count("finished_sends", f"p-refused-{i}") == 1
+    assert p.call("stats")["transfers_expired"] == 0

@@ -313,3 +313,58 @@ def test_push_scrambled_blocks_different_block_sizes(cl):
     p_blocks, d_blocks = [5, 1, 6, 3], [14, 3, 9, 0, 7, 12, 1, 10]
     before, after, p_kv, _ = push_once(p, d, "s2", p_blocks, d_blocks, 8, 30, d_first=False)
     assert np.array_equal(after, expected_kv(before, p_kv, d_blocks, p_blocks, 8, 21))
+
+
+def test_refusal_frees_a_finished_prefill_at_once(cl):
+    """Release on refusal: D refused the request before registering (PushCancel of attempt -1); P's finished
+    prefill goes now, not at its lease (30 s), and a registration that comes later anyway is refused."""
+    p, d = cl["p4"], cl["d4"]
+    for i in range(2):
+        p_params, d_params = push_params(p, f"t-ref1-{i}")
+        assert p.call("finish", f"p-t-ref1-{i}", [0, 1], 8, p_params)[0]
+        d.call("refuse", d_params)
+        p.wait_send(f"p-t-ref1-{i}", timeout=1)
+    d.call("needs", "d-t-ref1", d_params)
+    d.call("alloc", "d-t-ref1", [0, 1], 0, 8)
+    kind, reason = d.wait_result("d-t-ref1")
+    assert kind == "failed" and "decode instance refused" in reason
+
+
+def test_refusal_before_the_prefill_frees_it_when_handed_over(cl):
+    """Both legs leave at once: the refusal may reach P before its request (unknown transfer) or while P computes
+    it (expected); either way the prefill is freed as soon as it is handed over."""
+    p, d = cl["p4"], cl["d4"]
+    p_params, d_params = push_params(p, "t-ref2")
+    d.call("refuse", d_params)
+    time.sleep(0.2)  # the refusal lands first
+    assert p.call("finish", "p-t-ref2", [0, 1], 8, p_params)[0]
+    p.wait_send("p-t-ref2", timeout=1)
+    p_params, d_params = push_params(p, "t-ref3")
+    p.call("needs", "p-t-ref3", p_params)  # P's request arrived: queued or running
+    d.call("refuse", d_params)
+    time.sleep(0.2)
+    assert p.call("finish", "p-t-ref3", [0, 1], 8, p_params)[0]
+    p.wait_send("p-t-ref3", timeout=1)
+
+
+def test_decode_giving_up_frees_the_prefill(cl):
+    """A D that gives its registration up (aborted after or before registering) tells P, which frees the prefill
+    as soon as it is handed over, unless a newer attempt registered meanwhile (test_new_attempt_...)."""
+    p, d = cl["p4"], cl["d4"]
+    p_params, d_params = push_params(p, "t-ref4")
+    p.call("needs", "p-t-ref4", p_params)
+    d.call("needs", "d-t-ref4", d_params)
+    d.call("alloc", "d-t-ref4", [0, 1], 0, 8)
+    wait_event(d, "d-t-ref4", "registration_sent")
+    d.call("abort", "d-t-ref4")
+    assert d.wait_result("d-t-ref4") == ("cancelled", None)
+    assert p.call("finish", "p-t-ref4", [2, 3], 8, p_params)[0]
+    p.wait_send("p-t-ref4", timeout=1)
+    p, d = cl["p4"], cl["d8"]  # d8 holds its registration back DELAY s: aborted before registering
+    p_params, d_params = push_params(p, "t-ref5")
+    assert p.call("finish", "p-t-ref5", [0, 1], 8, p_params)[0]
+    d.call("needs", "d-t-ref5", d_params)
+    d.call("alloc", "d-t-ref5", [0], 0, 8)
+    d.call("abort", "d-t-ref5")
+    assert d.wait_result("d-t-ref5") == ("cancelled", None)
+    p.wait_send("p-t-ref5", timeout=1)

@@ -74,8 +74,9 @@ class RecvSide:
         )
 
     def _on_peers(self, rid: str, w: Wait, peers: dict[int, Peer] | None, error: str | None) -> None:
-        if self.waits.get(rid) is not w:
-            return  # cancelled or timed out before registering: nothing can be written
+        if self.waits.get(rid) is not w:  # cancelled or timed out before registering: nothing can be written
+            self._gave_up_unregistered(w, peers or {})
+            return
         if peers is None:
             self._end(rid, w, RecvEnd.FAILED, f"handshake with {w.remote.host}:{w.remote.port} failed: {error}")
             return
@@ -186,6 +187,7 @@ class RecvSide:
             self._start_cancel(rid, w, CancelWhy.TIMEOUT, reason)
         else:
             self._end(rid, w, RecvEnd.FAILED, reason + " (never registered)")
+            self._gave_up_unregistered(w, w.peers)
 
     def on_cancel(self, rid: str) -> None:
         w = self.waits.get(rid)
@@ -197,6 +199,16 @@ class RecvSide:
             w.cancel_why = CancelWhy.ABORT
         else:  # nothing registered yet: nothing can be written
             self._end(rid, w, RecvEnd.CANCELLED, "")
+            self._gave_up_unregistered(w, w.peers)
+
+    def _gave_up_unregistered(self, w: Wait, peers: dict[int, Peer]) -> None:
+        """This rank gives the transfer up before registering (aborted, timed out): tell every rank of P, so it
+        frees the prefill now rather than at its lease (P's PushCancelAck then finds no wait and is dropped)."""
+        for peer in peers.values():
+            try:
+                self.ctx.agent.send_notif(peer.agent_name, encode(PushCancel(w.remote.transfer_id, w.task.attempt)))
+            except AgentError as e:
+                log.info("push: %s not told that %s was given up: %s", peer.engine_id, w.remote.transfer_id, e)
 
     def _start_cancel(self, rid: str, w: Wait, why: CancelWhy, reason: str) -> None:
         w.state, w.cancel_why, w.fail_reason = WaitState.CANCELLING, why, reason
