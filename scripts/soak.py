@@ -1,6 +1,6 @@
 """Soak: thousands of mixed requests through a 1P1D deployment per mode, at and past capacity, with aborts.
 
-    python scripts/soak.py [--model smollm2-135m] [--modes push,pull] [--requests 1000]
+    python scripts/soak.py [--model smollm2-135m] [--modes push,pull] [--requests 2000] [--report-every 500]
                            [--concurrency 8,48] [--abort-fraction 0.1] [--out soak.json]
 
 Per mode, one deployment (pdserve.bench.deploy: P + D + router, a fresh deployment secret, each server with
@@ -9,8 +9,10 @@ from a fixed pool, max_tokens 1-16 with ignore_eos, streamed and not; a fraction
 a random 0-300 ms. Every answer that completes (200) is checked token for token against D's own colocated
 greedy answer for that prompt (D serves a request without kv_transfer_params by prefilling it itself), cut to
 the answer's length. After each concurrency level: both instances must come back to free == total blocks.
-Reported: wrong answers (must be 0), leaked blocks (must be 0), 5xx other than 503, 503s (overload, with
-Retry-After), aborts, and each server's RSS before and after. Prints a table and writes JSON; asserts nothing.
+Each level runs in rounds of --report-every requests; after each round: wrong answers (must be 0), leaked
+blocks (must be 0, both instances idle), 5xx other than 503, 503s (overload, with Retry-After), aborts, and
+each server's resident memory (VmRSS), so growth per round tells a leak (growing every round) from a one-time
+peak (flat after warm-up). Prints a table and writes JSON; asserts nothing.
 """
 
 from __future__ import annotations
@@ -19,17 +21,14 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, when pdserve is not installed
-
-from pdserve.bench.deploy import Deployment, ServerOptions  # noqa: E402
-from pdserve.bench.scrape import scrape_metrics  # noqa: E402
+from pdserve.bench.deploy import Deployment, ServerOptions
+from pdserve.bench.scrape import scrape_metrics
 
 WORDS = "the a cat dog ran over under quick brown lazy fox river city night morning sang wrote".split()
 MAX_TOKENS = 16
@@ -126,7 +125,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--modes", default="push,pull")
-    ap.add_argument("--requests", type=int, default=1000, help="requests per concurrency level per mode")
+    ap.add_argument("--requests", type=int, default=2000, help="requests per concurrency level per mode")
+    ap.add_argument("--report-every", type=int, default=500, help="requests per round (one row, RSS read after it)")
     ap.add_argument("--concurrency", default="8,48", help="comma-separated levels (the last is past capacity)")
     ap.add_argument("--abort-fraction", type=float, default=0.1)
     ap.add_argument("--num-threads", type=int, default=1)
@@ -142,9 +142,13 @@ def main() -> None:
             ref = reference(dep.decode_url, pool)
             servers = {p.name: p for p in dep.procs if p.name in ("prefill", "decode")}
             rss_start = {name: round(rss_mib(p.pid), 1) for name, p in servers.items()}
-            for conc in (int(c) for c in a.concurrency.split(",")):
+            rounds = [(conc, r) for conc in (int(c) for c in a.concurrency.split(","))
+                      for r in range(0, a.requests, a.report_every)]  # fmt: skip
+            for conc, first in rounds:
+                num = min(a.report_every, a.requests - first)
                 started = time.monotonic()
-                results = asyncio.run(level(dep.router_url, pool, a.requests, conc, a.abort_fraction, a.seed + conc))
+                seed = a.seed + conc * 1000003 + first
+                results = asyncio.run(level(dep.router_url, pool, num, conc, a.abort_fraction, seed))
                 seconds = time.monotonic() - started
                 ok = [r for r in results if r["status"] == 200]
                 wrong = [r for r in ok if r["tokens"] != ref[r["prompt"]][: len(r["tokens"])]
@@ -152,7 +156,8 @@ def main() -> None:
                 leaked = {name: wait_free(url) for name, url in (("prefill", dep.prefill_url),
                                                                   ("decode", dep.decode_url))}  # fmt: skip
                 row = {
-                    "mode": mode, "concurrency": conc, "requests": len(results), "seconds": round(seconds, 1),
+                    "mode": mode, "concurrency": conc, "first": first, "requests": len(results),
+                    "seconds": round(seconds, 1),
                     "ok": len(ok), "wrong": len(wrong),
                     "aborted": sum(r["status"] == "aborted" for r in results),
                     "busy_503": sum(r["status"] == 503 for r in results),
@@ -164,17 +169,18 @@ def main() -> None:
                     "rss_mib_end": {name: round(rss_mib(p.pid), 1) for name, p in servers.items()},
                 }  # fmt: skip
                 rows.append(row)
+                rss_start = row["rss_mib_end"]  # the next round's growth is its own
                 print(json.dumps(row), flush=True)
                 if wrong:
                     print("first wrong answer:", json.dumps(wrong[0])[:500], flush=True)
-    print(f"\n{'mode':5} {'conc':>4} {'reqs':>5} {'ok':>5} {'wrong':>5} {'abort':>5} {'503':>5} {'other':>5} "
+    print(f"\n{'mode':5} {'conc':>4} {'after':>5} {'ok':>5} {'wrong':>5} {'abort':>5} {'503':>5} {'other':>5} "
           f"{'leaked P/D':>10} {'RSS P start->end MiB':>21} {'RSS D start->end':>17}")  # fmt: skip
     for r in rows:
         lp, ld = r["leaked_blocks"]["prefill"], r["leaked_blocks"]["decode"]
         rp = f"{r['rss_mib_start']['prefill']}->{r['rss_mib_end']['prefill']}"
         rd = f"{r['rss_mib_start']['decode']}->{r['rss_mib_end']['decode']}"
         lease = f"{lp}/{ld}"
-        print(f"{r['mode']:5} {r['concurrency']:4d} {r['requests']:5d} {r['ok']:5d} {r['wrong']:5d} "
+        print(f"{r['mode']:5} {r['concurrency']:4d} {r['first'] + r['requests']:5d} {r['ok']:5d} {r['wrong']:5d} "
               f"{r['aborted']:5d} {r['busy_503']:5d} {r['other_errors']:5d} {lease:>10} {rp:>21} {rd:>17}")  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
