@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pdserve.arg_types import comma_list, non_negative_int, percent, positive_float, positive_int, rate, unit_interval
 from pdserve.bench.deploy import ServerOptions
+from pdserve.bench.phases import phases_summary
 from pdserve.bench.sweep import DEFAULT_MODES, MODES, Endpoints, Sweep, SweepConfig, summary_table
 
 
@@ -147,7 +148,7 @@ def parse_attach(items: list[str]) -> dict[str, Endpoints]:
         parts = [u.strip() for u in urls.split(",") if u.strip()]
         if not sep or mode not in MODES or len(parts) not in (1, 3):
             raise ValueError(f"--attach {item!r} is not MODE=ROUTER_URL or MODE=ROUTER_URL,PREFILL_URL,DECODE_URL")
-        attach[mode] = Endpoints(*parts) if len(parts) == 3 else Endpoints(parts[0])
+        attach[mode] = Endpoints(parts[0], parts[1], parts[2]) if len(parts) == 3 else Endpoints(parts[0])
     return attach
 
 
@@ -225,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve sweep: {e}", file=sys.stderr)
         return 1
     print(summary_table(paths))
+    phases = phases_summary([json.loads(p.read_text()) for p in paths])
+    if phases:
+        print(phases)
     print(f"{len(paths)} results in {cfg.results_dir}")
     if cfg.find_max_goodput:
         report_max_goodput(paths, cfg)

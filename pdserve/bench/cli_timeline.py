@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import urllib.error
 from pathlib import Path
 
+from pdserve.bench.phases import PHASES, request_phases
 from pdserve.bench.timeline import draw, fetch, join, load_saved
 
 
@@ -56,6 +58,12 @@ def run(args: argparse.Namespace) -> int:
         panels = [(mode, [t for t in tls if args.match in t.request_id]) for mode, tls in panels]
     for mode, tls in panels:
         print(f"{mode}: {len(tls)} requests")
+        if mode in PHASES:  # the servers' phases (the client's two need the bench's clock: pdserve sweep prints them)
+            per_phase: dict[str, list[float]] = {}
+            for tl in tls:
+                for label, seconds in request_phases(mode, tl, {}).items():
+                    per_phase.setdefault(label, []).append(seconds)
+            print("  median ms: " + " | ".join(f"{k} {1000 * statistics.median(v):.2f}" for k, v in per_phase.items()))
     out = draw(panels, args.out, args.max_requests)
     print(f"timeline written to {out}")
     return 0

@@ -28,6 +28,7 @@ from pathlib import Path
 from pdserve.bench import cli_bench
 from pdserve.bench.deploy import Deployment, ServerOptions
 from pdserve.bench.metrics import format_quarters, parse_goodput
+from pdserve.bench.phases import PHASES, phase_medians
 from pdserve.bench.tokenizer import Vocab, load_vocab
 
 MODES = ("push", "pull", "colocated")
@@ -41,6 +42,7 @@ class Endpoints:
     router_url: str  # what the bench loads
     prefill_url: str | None = None  # for /timeline; None when unknown (attached without it)
     decode_url: str | None = None
+    instance_urls: tuple[str, ...] = ()  # colocated: the instances behind the router (their /timeline)
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,13 @@ def fetch_json(url: str, timeout_s: float = 10.0) -> object:
         return json.loads(response.read())
 
 
+def _timeline(url: str) -> list[dict]:
+    entries = fetch_json(url.rstrip("/") + "/timeline")
+    if not isinstance(entries, list):
+        raise ValueError(f"{url}/timeline is not a list")
+    return entries
+
+
 def save_timeline(path: Path, mode: str, ends: Endpoints) -> None:
     """Write both servers' /timeline entries to one JSON file (what `pdserve timeline` reads)."""
     data: dict[str, object] = {"mode": mode, "prefill": [], "decode": []}
@@ -206,7 +215,7 @@ class Sweep:
         stack.enter_context(deployment)
         self.log(f"[{mode}] healthy after {time.monotonic() - start:.1f} s: router {deployment.router_url}")
         if mode == "colocated":  # no prefill/decode pair: no P/D timeline
-            return Endpoints(deployment.router_url), deployment
+            return Endpoints(deployment.router_url, instance_urls=tuple(deployment.instance_urls)), deployment
         return Endpoints(deployment.router_url, deployment.prefill_url, deployment.decode_url), deployment
 
     def _warm_up(self, mode: str, ends: Endpoints) -> None:
@@ -244,6 +253,7 @@ class Sweep:
             result = asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda s: print(s, file=log_file)))
         qps, _, _, iteration = point
         result.update(mode=mode, qps=format_qps(qps), iteration=iteration)
+        result.update(self._phases(mode, ends, result))
         path = cfg.results_dir / f"{stem}.json"
         path.write_text(json.dumps(result, indent=1))
         self.written.append(path)
@@ -259,6 +269,22 @@ class Sweep:
             f"TTFT per quarter {format_quarters(result['ttft_quarter_medians_ms'])} ms, "
             f"drift {'-' if drift is None else f'{drift:.2f}'}{goodput}"
         )
+
+    def _phases(self, mode: str, ends: Endpoints, result: dict) -> dict:
+        """Where this point's TTFT went (bench/phases.py), from the servers' /timeline; {} when they are not
+        known (attached without their URLs) or do not answer."""
+        if mode == "colocated":
+            sources = [list(ends.instance_urls), []]
+        else:
+            sources = [[ends.prefill_url] if ends.prefill_url else [], [ends.decode_url] if ends.decode_url else []]
+        if not sources[0] or mode not in PHASES:
+            return {}
+        try:
+            entries = [[e for url in urls for e in _timeline(url)] for urls in sources]
+        except (OSError, ValueError) as e:
+            self.log(f"[{mode}] no phases: {e}")
+            return {}
+        return phase_medians(mode, result, entries[0], entries[1])
 
     def _save_timeline(self, mode: str, ends: Endpoints) -> None:
         if not self.cfg.save_timeline or not (ends.prefill_url or ends.decode_url):

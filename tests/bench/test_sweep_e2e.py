@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.phases import PHASES
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("push", "pull")
@@ -55,9 +57,12 @@ def test_sweep_writes_exactly_the_named_files(tiny_model: Path, tmp_path: Path, 
             r = json.loads((results / name).read_text())
             assert (r["completed"], r["failed"]) == (3, 0), (name, r["errors"])
             assert r["mode"] == name.split("_")[0] and r["output_lens"] == [4, 4, 4]
+            # where the time went: every phase of the mode, for every request (bench/phases.py)
+            assert r["phase_counts"] == {label: 3 for label, _, _ in PHASES[r["mode"]]}, r["phase_counts"]
+            assert all(v >= 0 for v in r["phase_medians_ms"].values())
         else:
             assert "pdserve bench" in (results / name).read_text()
-    assert "push/pull" in output
+    assert "push/pull" in output and "where the time to first token goes" in output and "hand-over" in output
     _assert_no_process_left(find, marker)
 
 
@@ -102,6 +107,7 @@ def test_sweep_colocated_with_goodput_search(tiny_model: Path, tmp_path: Path, m
         assert (r["completed"], r["slo_attainment"]) == (3, 1.0), r["errors"]
         assert r["request_goodput"] == pytest.approx(r["request_throughput"])
         assert r["goodput_slos_ms"] == {"ttft": 60000.0, "tpot": 60000.0}
+        assert r["phase_counts"] == {label: 3 for label, _, _ in PHASES[r["mode"]]}, r["phase_counts"]
     summary = json.loads((results / "max_goodput.json").read_text())
     assert {(m["mode"], m["max_qps"]) for m in summary["results"]} == {("pull", 8.0), ("colocated", 8.0)}
     assert "colocated SLO%" in output and "in 16 out 4 colocated: 8 req/s" in output
