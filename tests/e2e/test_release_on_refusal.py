@@ -1,8 +1,9 @@
 """Release on refusal (issue 25, item 4): a decode instance (D) that refuses a decode leg carrying valid transfer
 coordinates tells the prefill instance (P) to free that KV at once, without a router doing the release.
 
-One deployment for the module: a pull pair and a push pair, both with a deployment secret, D admitting one
-request at a time (so a held stream makes the next one a 503), P's lease the default 30 s. The tests play a
+One deployment for the module, every instance with a deployment secret: per mode (pull, push) a P and a D at
+TP 1 and at TP 2, paired as P TP x D TP 1x1, 2x1 and 1x2; D admits one request at a time (so a decode leg held
+in its handshake makes the next one a 503); P's lease is the default 30 s. The tests play a
 vLLM-style proxy: they send P's leg and D's leg themselves, with a router nowhere, and check P's
 `pdserve_kv_blocks_free == pdserve_kv_blocks_total` within 1 s of D's refusal, for every kind of refusal at D's
 edge (a capability for another prompt, a 400 from the sampling checks, a 400 from body validation, an unknown
@@ -48,6 +49,7 @@ LOG: list[str] = []  # measured release times, printed at the end of the module
 @dataclass
 class Pair:
     mode: str
+    shape: str  # "<P's TP>x<D's TP>"
     p: Proc
     d: Proc
     info: dict[str, Any]  # P's /kv_transfer/info
@@ -56,12 +58,22 @@ class Pair:
 @dataclass
 class Deployment:
     secret: str
-    pull: Pair
-    push: Pair
+    pairs: dict[tuple[str, str], Pair]  # (mode, shape) -> pair; the instances are shared between shapes
+
+    @property
+    def pull(self) -> Pair:
+        return self.pairs["pull", "1x1"]
+
+    @property
+    def push(self) -> Pair:
+        return self.pairs["push", "1x1"]
 
     @property
     def instances(self) -> list[Proc]:
-        return [self.pull.p, self.pull.d, self.push.p, self.push.d]
+        return list({id(x): x for pair in self.pairs.values() for x in (pair.p, pair.d)}.values())
+
+
+SHAPES = ("1x1", "2x1", "1x2")  # P's TP x D's TP
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +83,27 @@ def deployment(launcher: Launcher, tiny_llama: Path, tmp_path_factory: pytest.Te
     path.write_text(secret + "\n")
     path.chmod(0o600)
     auth = ["--kv-auth-secret-file", str(path), "--num-gpu-blocks", "64"]
-    procs = {}
+    p: dict[tuple[str, str], Proc] = {}
+    d: dict[tuple[str, str], Proc] = {}
     for mode in ("pull", "push"):
-        procs[mode] = (
-            launcher.serve(tiny_llama, "--kv-role", "prefill", "--kv-transfer", mode, *auth, name=f"P_{mode}"),
-            launcher.serve(
-                tiny_llama,
-                "--kv-role",
-                "decode",
-                "--kv-transfer",
-                mode,
-                "--max-inflight-requests",
-                "1",
-                *auth,
-                name=f"D_{mode}",
-            ),  # fmt: skip
-        )
+        for tp in ("1", "2"):
+            common = ["--kv-transfer", mode, "--tensor-parallel-size", tp, *auth]
+            p[mode, tp] = launcher.serve(tiny_llama, "--kv-role", "prefill", *common, name=f"P_{mode}_tp{tp}")
+            d[mode, tp] = launcher.serve(
+                tiny_llama, "--kv-role", "decode", "--max-inflight-requests", "1", *common, name=f"D_{mode}_tp{tp}"
+            )
     launcher.wait_ready()
-    pairs = {
-        m: Pair(m, p, d, httpx.get(p.url + "/kv_transfer/info", trust_env=False).json()) for m, (p, d) in procs.items()
-    }
-    yield Deployment(secret, pairs["pull"], pairs["push"])
+    info = {key: httpx.get(proc.url + "/kv_transfer/info", trust_env=False).json() for key, proc in p.items()}
+    pairs = {}
+    for mode in ("pull", "push"):
+        for shape in SHAPES:
+            p_tp, d_tp = shape.split("x")
+            pairs[mode, shape] = Pair(mode, shape, p[mode, p_tp], d[mode, d_tp], info[mode, p_tp])
+    dep = Deployment(secret, pairs)
+    # steady state: each D has handshaken with every rank of its P, so the refusals time the release alone
+    for pair in pairs.values():
+        genuine(dep, pair, PROMPTS[2])
+    yield dep
     print("\nrelease on refusal: every block free on P, seconds from D's refusal (bounded by the /metrics scrapes):")
     print("  " + "\n  ".join(LOG))
 
@@ -140,13 +152,27 @@ def push_legs(dep: Deployment, pair: Pair) -> tuple[dict[str, Any], dict[str, An
     host, port, engine = info["side_channel_host"], info["side_channel_port"], info["engine_id"]
     cap = KVAuth(dep.secret.encode()).issue_push(tid, engine, host, port, 60.0)
     p_leg = encode(RemoteDecode(Mode.PUSH, tid, cap))
-    d_leg = encode(PushSource(tid, host, port, engine, 1, cap))
+    d_leg = encode(PushSource(tid, host, port, engine, info["tp_size"], cap))
     return p_leg, d_leg
 
 
 def push_prefill(pair: Pair, prompt: str, p_leg: dict[str, Any]) -> None:
     r = post(pair.p.url, "/v1/completions", completion(prompt, p_leg, max_tokens=1))
     assert r.status_code == 200, r.text
+
+
+def genuine(dep: Deployment, pair: Pair, prompt: str) -> list[int]:
+    """One request through both legs as a proxy sends them: its output token ids."""
+    if pair.mode == "pull":
+        r = post(pair.d.url, "/v1/completions", completion(prompt, pull_prefill(pair, prompt)))
+    else:
+        p_leg, d_leg = push_legs(dep, pair)
+        with ThreadPoolExecutor(1) as pool:
+            d = pool.submit(post, pair.d.url, "/v1/completions", completion(prompt, d_leg))
+            push_prefill(pair, prompt, p_leg)
+            r = d.result()
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
 
 
 @contextmanager
@@ -224,23 +250,25 @@ def refuse_and_time(
     r = refuse(dep, pair, prompt, kv)
     assert r.status_code == status, r.text
     after, by = seconds_until_free(pair.p)
-    LOG.append(f"{pair.mode:4s} {case:28s} after {after:.3f} s, by {by:.3f} s")
+    LOG.append(f"{pair.mode:4s} {pair.shape} {case:28s} after {after:.3f} s, by {by:.3f} s")
     assert by < RELEASE_WITHIN_S, f"P's blocks not free within {RELEASE_WITHIN_S} s of D's {status} ({case})"
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", [k for k in REFUSALS])
-def test_pull_refusal_frees_p_at_once(deployment: Deployment, kind: str) -> None:
+def test_pull_refusal_frees_p_at_once(deployment: Deployment, kind: str, shape: str) -> None:
     refuse, status = REFUSALS[kind]
-    pair = deployment.pull
+    pair = deployment.pairs["pull", shape]
     for i, prompt in enumerate(PROMPTS[:2]):  # two requests per kind: the second finds cached handshakes
         answer = pull_prefill(pair, prompt)
         refuse_and_time(deployment, pair, refuse, status, prompt, answer, f"{kind} #{i}")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", [k for k in REFUSALS if k != "other_prompt"])
-def test_push_refusal_frees_p_at_once(deployment: Deployment, kind: str) -> None:
+def test_push_refusal_frees_p_at_once(deployment: Deployment, kind: str, shape: str) -> None:
     refuse, status = REFUSALS[kind]
-    pair = deployment.push
+    pair = deployment.pairs["push", shape]
     for i, prompt in enumerate(PROMPTS[:2]):
         p_leg, d_leg = push_legs(deployment, pair)
         push_prefill(pair, prompt, p_leg)  # P's prefill is done: its blocks wait for D's registration
@@ -248,16 +276,18 @@ def test_push_refusal_frees_p_at_once(deployment: Deployment, kind: str) -> None
         refuse_and_time(deployment, pair, refuse, status, prompt, d_leg, f"{kind} #{i}")
 
 
-def test_push_refusal_before_the_prefill_frees_it_on_arrival(deployment: Deployment) -> None:
+@pytest.mark.parametrize("shape", SHAPES)
+def test_push_refusal_before_the_prefill_frees_it_on_arrival(deployment: Deployment, shape: str) -> None:
     """Both legs leave at once; D refuses in milliseconds, often before P has the request, let alone its KV."""
-    pair = deployment.push
+    pair = deployment.pairs["push", shape]
     for i, prompt in enumerate(PROMPTS):
         p_leg, d_leg = push_legs(deployment, pair)
         r = max_tokens_too_large(deployment, pair, prompt, d_leg)
         assert r.status_code == 400, r.text
         push_prefill(pair, prompt, p_leg)  # answers once the prefill finished (its KV then has nowhere to go)
         after, by = seconds_until_free(pair.p)
-        LOG.append(f"push {'refused before prefill #' + str(i):28s} after {after:.3f} s, by {by:.3f} s (of P's answer)")
+        case = f"refused before prefill #{i}"
+        LOG.append(f"push {shape} {case:28s} after {after:.3f} s, by {by:.3f} s (of P's answer)")
         assert by < RELEASE_WITHIN_S
 
 
@@ -272,7 +302,7 @@ def test_push_legs_at_once(deployment: Deployment) -> None:
             assert d.result().status_code == 400
             p.result()
             after, by = seconds_until_free(pair.p)
-            LOG.append(f"push {'legs at once':28s} after {after:.3f} s, by {by:.3f} s (of both answers)")
+            LOG.append(f"push 1x1 {'legs at once':28s} after {after:.3f} s, by {by:.3f} s (of both answers)")
             assert by < RELEASE_WITHIN_S
 
 
@@ -298,17 +328,10 @@ def test_forged_capability_frees_nothing(deployment: Deployment) -> None:
 
 
 def test_afterwards_genuine_legs_run_and_everything_is_free(deployment: Deployment) -> None:
-    pull, push = deployment.pull, deployment.push
     for prompt in PROMPTS:
-        answer = pull_prefill(pull, prompt)
-        r = post(pull.d.url, "/v1/completions", completion(prompt, answer))
-        assert r.status_code == 200, r.text
-        p_leg, d_leg = push_legs(deployment, push)
-        with ThreadPoolExecutor(1) as pool:
-            d = pool.submit(post, push.d.url, "/v1/completions", completion(prompt, d_leg))
-            push_prefill(push, prompt, p_leg)
-            assert d.result().status_code == 200, d.result().text
-        assert d.result().json()["choices"][0]["token_ids"] == r.json()["choices"][0]["token_ids"]
+        want = genuine(deployment, deployment.pull, prompt)
+        for pair in deployment.pairs.values():
+            assert genuine(deployment, pair, prompt) == want, (pair.mode, pair.shape, prompt)
     for proc in deployment.instances:
         m = wait_idle(proc.url, timeout_s=10)
         assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], proc.name
