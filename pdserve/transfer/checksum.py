@@ -18,10 +18,11 @@ s1 changes with any one changed word (an exact integer sum: a flipped byte is al
 words, rows or blocks swapped (their positions differ). The weight is a sum of per-coordinate terms, so s2
 needs no weight tensor: it combines marginal sums (per block, row, region, head, word) reduced in two passes
 over views of the cache: no copy for a run of consecutive blocks (what the block pool hands out), a gather in
-bounded chunks otherwise, where the cache lives. A GPU cache is summed by torch's CUDA reductions on a side
-stream of the transfer thread, and only six int64 terms per KV group reach the host (no host copy of VRAM
-KV); a CPU cache by numpy's vectorised reductions over the same memory. Addition and multiplication mod 2^64
-are associative and commutative, so CPU and GPU, and any reduction order, agree to the bit. Not a MAC: it
+bounded chunks otherwise, where the cache lives. A GPU cache is summed by a Triton kernel (checksum_kernel.py;
+torch's reductions without Triton) on a side stream of the transfer thread, and only six int64 terms per KV
+group reach the host (no host copy of VRAM KV); a CPU cache by numpy's vectorised reductions over the same
+memory. Addition and multiplication mod 2^64 are associative and commutative, so CPU and GPU, and any
+reduction order, agree to the bit. Not a MAC: it
 catches corruption in transit, not an adversary (the deployment secret guards the side channel).
 """
 
@@ -53,6 +54,14 @@ class KVChecksum:
         self.host_words: Any = None if kv.is_cuda else self.words.numpy()  # the same memory, for numpy's reductions
         self.block_bytes = raw[0].numel()
         self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        self.kernel: Any = None
+        if kv.is_cuda:
+            try:
+                from pdserve.transfer.checksum_kernel import terms
+
+                self.kernel = terms
+            except ImportError:  # no Triton: torch's reductions
+                pass
 
     def part(
         self, tables: Sequence[Sequence[int]], ranges: Sequence[tuple[int, int]], head0: int, num_heads: int
@@ -136,7 +145,9 @@ class KVChecksum:
             ar: Any = lambda n, start=0: np.arange(start, start + n, dtype=np.int64)  # noqa: E731
             vec: Any = np.array
             k: Any = np.array(ks, dtype=np.int64)
-        else:
+        elif self.kernel is not None:  # CUDA: one read of the piece (checksum_kernel.py)
+            return self.kernel(x, ks, r0)
+        else:  # CUDA without Triton: two torch reductions (slower: checksum_kernel.py says by how much)
             y = x.sum(-1, dtype=torch.int64)
             per_word = x.sum((0, 1, 2, 3), dtype=torch.int64)
             dev = x.device

@@ -43,6 +43,10 @@ def test_equal_bytes_equal_sums_across_layouts(device: str, dtype: torch.dtype) 
     assert KVChecksum(_fill(tokens, 16, p_table, 10, dtype)).part([p_table], [(0, n)], 1, 2) == p.part(
         [p_table], [(0, n)], 1, 2
     )  # CPU == device
+    if device == "cuda":  # the Triton kernel (checksum_kernel.py) == torch's reductions == numpy
+        want = p.part([p_table], [(5, 69)], 1, 2)
+        p.kernel = None
+        assert p.part([p_table], [(5, 69)], 1, 2) == want
 
 
 def test_detects_a_flip_a_swap_and_a_misplaced_block(monkeypatch: pytest.MonkeyPatch) -> None:
