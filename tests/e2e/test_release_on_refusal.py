@@ -3,16 +3,18 @@ coordinates tells the prefill instance (P) to free that KV at once, without a ro
 
 One deployment for the module, every instance with a deployment secret: per mode (pull, push) a P and a D at
 TP 1 and at TP 2, paired as P TP x D TP 1x1, 2x1 and 1x2; D admits one request at a time (so a decode leg held
-in its handshake makes the next one a 503); P's lease is the default 30 s. The tests play a
-vLLM-style proxy: they send P's leg and D's leg themselves, with a router nowhere, and check P's
+in its handshake makes the next one a 503); P's lease is the default 30 s. The tests play a vLLM-style proxy:
+they send P's leg and D's leg themselves, with a router nowhere, and check P's
 `pdserve_kv_blocks_free == pdserve_kv_blocks_total` within 1 s of D's refusal, for every kind of refusal at D's
 edge (a capability for another prompt, a 400 from the sampling checks, a 400 from body validation, an unknown
-model, a 503 admission refusal), in push also with D's refusal arriving before P's prefill. A forged capability
-frees nothing. Afterwards genuine decode legs still run, and every block on every instance is free.
+model, a 503 admission refusal) and by its engine (a token id outside the vocabulary); in push also with D's
+refusal arriving before P's prefill. A forged capability frees nothing. Afterwards genuine decode legs still
+run, and every block on every instance is free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -31,6 +33,7 @@ from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
 from pdserve.auth import new_secret
 from pdserve.transfer.capability import KVAuth
 from pdserve.transfer.params import Mode, PullSource, PushSource, RemoteDecode, encode
+from pdserve.transfer.params_decode import decode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -235,12 +238,25 @@ def admission(dep: Deployment, pair: Pair, prompt: str, kv: dict[str, Any]) -> h
         return post(pair.d.url, "/v1/completions", completion(prompt, kv))
 
 
+def out_of_vocab(dep: Deployment, pair: Pair, prompt: str, kv: dict[str, Any]) -> httpx.Response:
+    """Past D's edge, refused by its engine: a prompt (as token ids) with an id outside the vocabulary. In pull its
+    capability must name this prompt: signed here for P's real coordinates (the test holds the secret)."""
+    ids = [10**6, *([5] * 3)]
+    if pair.mode == "pull":
+        src = decode(kv)
+        assert isinstance(src, PullSource)
+        ids = [10**6, *([5] * src.num_tokens)]
+        kv = encode(KVAuth(dep.secret.encode()).issue_pull(dataclasses.replace(src, capability=None), ids, 60.0))
+    return post(pair.d.url, "/v1/completions", completion("", kv) | {"prompt": ids})
+
+
 REFUSALS: dict[str, tuple[Refuse, int]] = {
     "other_prompt": (other_prompt, 403),  # pull only: a push capability names no prompt
     "max_tokens_too_large": (max_tokens_too_large, 400),
     "invalid_body": (invalid_body, 400),
     "unknown_model": (unknown_model, 404),
     "admission": (admission, 503),
+    "out_of_vocab": (out_of_vocab, 400),  # the engine's refusal (AsyncEngine), not the edge's
 }
 
 
