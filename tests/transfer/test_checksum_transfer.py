@@ -1,5 +1,5 @@
 """--kv-checksum over real NIXL between processes, both modes: the sums agree for intact transfers (different
-block sizes, a prefix hit, host staging), a byte flipped after landing fails the recv before it is reported
+block sizes, a prefix hit, host staging, two KV groups with a window), a byte flipped after landing fails the recv before it is reported
 (counted in checksum_failures, P's blocks freed), and an instance without the checksum is refused at the
 handshake naming both settings. TP is covered end to end (tests/e2e/test_kv_checksum_e2e.py)."""
 
@@ -10,6 +10,9 @@ from harness import Instance, close_all, expected_kv, push_params, start_all
 from pdserve.transfer.faults import Faults
 
 FLIP = Faults(flip_kv_byte=True)
+WINDOWS = (None, None, 8, 8)  # two KV groups (test_windowed.py): layers 0-1 full, layers 2-3 a window of 8
+P_TABLES = [[5, 6, 9, 2, 0, 1], [-1, -1, -1, 3, 4, 7]]  # 22 tokens; the windowed group keeps blocks 3..
+D_TABLES = [[3, 4, 11, 12, 13, 14], [-1, -1, -1, 8, 10, 15]]
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +26,9 @@ def cl():
         p_push=Instance("prefill", "push", block_size=4, **on),
         d_push=Instance("decode", "push", block_size=4, faults=Faults(force_staging=True), **on),
         d_push_flip=Instance("decode", "push", block_size=8, faults=FLIP, **on),
+        p_win=Instance("prefill", "pull", block_size=4, windows=WINDOWS, **on),
+        d_win=Instance("decode", "pull", block_size=4, windows=WINDOWS, **on),
+        d_win_flip=Instance("decode", "pull", block_size=4, windows=WINDOWS, faults=FLIP, **on),
     )
     yield insts
     close_all(insts)
@@ -91,3 +97,15 @@ def test_push_flipped_byte_fails_the_recv(cl):
         kind, reason = push(p, d, f"flip{i}", [5, 6, 9, 2, 7, 8], [3, 4, 10], 0, 22)  # P blocks of 4, D of 8
         assert kind == "failed" and "KV checksum mismatch" in reason, reason
     assert d.call("stats")["checksum_failures"] == 2
+
+
+@pytest.mark.parametrize(("d_name", "want"), [("d_win", "finished"), ("d_win_flip", "failed")])
+def test_windowed_groups(cl, d_name, want):
+    """Two KV groups, the windowed one moving only its window: intact passes, a flip fails."""
+    p, d = cl["p_win"], cl[d_name]
+    _, params = p.call("finish", f"p-{d_name}", P_TABLES[0], 22, {"do_remote_decode": True}, P_TABLES)
+    assert d.call("needs", d_name, params) is True
+    d.call("alloc", d_name, D_TABLES[0], 0, 22, D_TABLES)
+    kind, reason = d.wait_result(d_name)
+    assert kind == want, reason
+    p.wait_send(f"p-{d_name}")
