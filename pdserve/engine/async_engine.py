@@ -10,6 +10,8 @@ Chosen over a separate engine process: see docs/architecture.md ("Engine loop pl
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -167,7 +169,8 @@ class AsyncEngine:
         command = AbortIfQueued(request_id)
         self._inbox.append(command)
         self._wake.set()
-        return await asyncio.wrap_future(command.reply)
+        # shielded: a caller that stops waiting must not cancel the future the engine thread will answer
+        return await asyncio.shield(asyncio.wrap_future(command.reply))
 
     # ---- the loop (engine thread) -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -202,7 +205,8 @@ class AsyncEngine:
                 out = engine.abort_if_queued(command.request_id)
                 if out is not None:
                     self._send(command.request_id, out)
-                command.reply.set_result(out is not None)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # never fail the loop for it
+                    command.reply.set_result(out is not None)
                 continue
             if isinstance(command, RefuseTransfer):
                 engine.refuse_transfer(command.source)

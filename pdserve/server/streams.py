@@ -67,19 +67,31 @@ class RequestRun:
         if self._max_queue_wait_s is None:
             return await self._next()
         task = asyncio.ensure_future(self._next())
+        asked: asyncio.Future[bool] | None = None
         try:
             await asyncio.wait({task}, timeout=self._max_queue_wait_s)
-            if not task.done() and await self.engine.abort_if_queued(self.request_id):
+            if task.done():
+                return task.result()
+            # the engine thread decides (at its next step boundary); the stream may end first (a dead engine
+            # loop fails every stream and answers no command)
+            asked = asyncio.ensure_future(self.engine.abort_if_queued(self.request_id))
+            await asyncio.wait({task, asked}, return_when=asyncio.FIRST_COMPLETED)
+            if not asked.done() and task.done() and task.exception() is None:
+                out = task.result()
+                if out is not None and out.finished and out.finish_reason == "abort":
+                    await asked  # the engine sends its answer right after the abort output it caused
+            if asked.done() and asked.result():
                 self.status = 503
                 raise ApiError(
                     503, f"server busy: request still queued after {self._max_queue_wait_s:g} s; retry later"
                 )
             return await task
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            for t in (task, asked):
+                if t is not None and not t.done():
+                    t.cancel()
+                    with contextlib.suppress(BaseException):
+                        await t
 
     async def first(self) -> RequestOutput | None:
         """The first output, watching for a disconnect; the engine's ValueError (bad input) becomes a 400."""
