@@ -1,7 +1,8 @@
 """--kv-checksum over real NIXL between processes, both modes: the sums agree for intact transfers (different
-block sizes, a prefix hit, host staging, two KV groups with a window), a byte flipped after landing fails the recv before it is reported
-(counted in checksum_failures, P's blocks freed), and an instance without the checksum is refused at the
-handshake naming both settings. TP is covered end to end (tests/e2e/test_kv_checksum_e2e.py)."""
+block sizes, a prefix hit, host staging, two KV groups with a window), a byte flipped after landing fails the
+recv before it is reported (counted in checksum_failures, P's blocks freed), and an instance without the
+checksum is refused at the handshake naming both settings. TP is covered end to end
+(tests/e2e/test_kv_checksum_e2e.py)."""
 
 import numpy as np
 import pytest
