@@ -107,3 +107,33 @@ def test_without_a_secret_kv_is_given_back_only_where_d_would_dial() -> None:
     far = dataclasses.replace(SRC, host="10.0.0.9")
     assert KVAuth(None).may_give_back(SRC) and not KVAuth(None).may_give_back(far)
     assert KVAuth(None, allow_unsigned_remote=True).may_give_back(far)
+
+
+def test_a_release_needs_the_requests_own_capability() -> None:
+    """POST /kv_transfer/release without the internal key: P's own pull answer (expired is fine: the MAC alone)
+    or the push leg's params, for this instance; never an id alone, another request's, or a forged one."""
+    clock = Clock()
+    p = KVAuth(SECRET, clock)
+    answer = p.issue_pull(SRC, PROMPT, ttl_s=30)
+    clock.now += 60  # past the lease: still the caller's to give up
+    p.check_release("req-1", None, wire(answer), P_INFO)
+    p.check_release("req-1", None, wire(answer), P_INFO)  # not used up
+    for rid, params, words in (
+        ("req-1", None, "its id alone is not enough"),
+        ("req-1", SRC, "its id alone is not enough"),  # unsigned
+        ("req-2", answer, "not P's answer for request_id 'req-2'"),
+        ("req-1", dataclasses.replace(answer, block_ids=(4, 5)), "forged or altered"),
+    ):
+        with pytest.raises(AuthError, match=words):
+            p.check_release(rid, None, params, P_INFO)
+    with pytest.raises(AuthError, match="another prefill instance"):
+        p.check_release("req-1", None, answer, {**P_INFO, "engine_id": "p-2"})
+    cap = KVAuth(SECRET, clock).issue_push("t-1", "p-1", "127.0.0.1", 5600, ttl_s=600)
+    p_leg = RemoteDecode(Mode.PUSH, "t-1", cap)
+    p.check(p_leg, PROMPT, P_INFO)  # the leg was admitted: its release still holds the same capability
+    p.check_release(None, "t-1", wire(p_leg), P_INFO)
+    with pytest.raises(AuthError, match="not the prefill leg's for transfer_id 't-2'"):
+        p.check_release(None, "t-2", p_leg, P_INFO)
+    with pytest.raises(AuthError, match="forged or altered"):  # issued for another P
+        p.check_release(None, "t-1", p_leg, {**P_INFO, "side_channel_port": 5601})
+    KVAuth(None).check_release("req-1", None, None, P_INFO)  # without a secret nothing can be checked
