@@ -346,15 +346,15 @@ def test_malformed_kv_transfer_params_are_a_400_naming_the_key(cl: Cluster) -> N
 
 
 def test_params_the_prefill_cannot_satisfy_fail_cleanly(cl: Cluster) -> None:
-    """Well-formed params that P cannot satisfy (fewer tokens than D's prompt needs) are found on D's transfer
-    thread: a 500 with the reason (the router makes it a 502 naming the leg); the blocks come back."""
+    """Well-formed params that name fewer tokens than D's prompt needs (a prompt extended past the prefill's)
+    are the client's error, found at D's edge: a 400 with both numbers (it was a 500 from D's transfer thread,
+    issue 26); nothing is allocated or dialled."""
     params = {"do_remote_prefill": True, "transfer_mode": "pull", "remote_host": "127.0.0.1", "remote_port": 1,
               "remote_block_ids": [0], "remote_request_id": "r", "remote_num_tokens": 3}  # fmt: skip
     resp = completion(cl.d_pull.url, "hell", kv_transfer_params=params)
-    assert resp.status_code == 500, resp.text
-    assert "KV transfer failed" in error_message(resp) and "prefill has KV for 3 tokens, 4 needed" in error_message(
-        resp
-    )
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+    assert "kv_transfer_params name KV for 3 tokens; a prompt of 5 tokens needs 4" in error_message(resp)
     assert_all_free(cl.d_pull)
 
 
