@@ -24,6 +24,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ import httpx
 import matrix
 import pytest
 import torch
-from helpers import Launcher, Proc, post, wait_idle
+from helpers import Launcher, Proc, wait_idle
 from matrix import Case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -188,23 +189,40 @@ def _parts(events: dict[str, float], prefix: str, p_first: bool) -> set[tuple[in
     return out
 
 
-def run_case(pool: Pool, case: Case, index: int) -> None:
+@contextmanager
+def routed(pool: Pool, case: Case, name: str) -> Iterator[tuple[Proc, Proc, Proc, Proc]]:
+    """(P, D, colocated reference, router) of the case; after the block, every KV block free on P and D."""
     procs = pool.servers(case)
-    p, d, ref = procs["p"], procs["d"], procs["ref"]
     extra = ["--kv-auth-secret", SECRET] if case.auth == "on" else []
-    router = pool.launcher.proxy(case.mode, [p], [d], *extra, name=f"router-{index:02d}")
-    pool.launcher.wait_ready()
+    router = pool.launcher.proxy(case.mode, [procs["p"]], [procs["d"]], *extra, name=f"router-{name}")
+    try:
+        pool.launcher.wait_ready()
+        yield procs["p"], procs["d"], procs["ref"], router
+        for inst in (procs["p"], procs["d"]):
+            m = wait_idle(inst.url, timeout_s=10)
+            assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], (case.id, inst.name, m)
+    finally:
+        router.stop()
+        pool.done(case)
+
+
+def check_same_tokens(client: httpx.Client, ref: Proc, router: Proc, body: dict[str, Any], rid: str) -> None:
+    """The routed answer is 200 and token for token the colocated instance's."""
+    want = client.post(ref.url + "/v1/completions", json=body)
+    assert want.status_code == 200, want.text
+    got = client.post(router.url + "/v1/completions", json=body, headers={"X-Request-Id": rid})
+    assert got.status_code == 200, f"{rid}: {got.status_code} {got.text}"
+    want_ids, got_ids = want.json()["choices"][0]["token_ids"], got.json()["choices"][0]["token_ids"]
+    assert got_ids == want_ids, f"{rid}: {got_ids} != colocated {want_ids}"
+
+
+def run_case(pool: Pool, case: Case, index: int) -> None:
     p_prefix, d_prefix = ("write.", "push_done.") if case.mode == "push" else ("pull_release.", "pull_ack.")
     want_parts = expected_parts(case)
-    try:
+    with routed(pool, case, f"{index:02d}") as (p, d, ref, router), httpx.Client(timeout=120, trust_env=False) as c:
         for name, prompt in requests_for(index):
             rid = f"m{index:02d}-{name}"
-            want = post(ref.url, "/v1/completions", _body(prompt))
-            assert want.status_code == 200, want.text
-            got = post(router.url, "/v1/completions", _body(prompt), headers={"X-Request-Id": rid})
-            assert got.status_code == 200, f"{case.id} {name}: {got.status_code} {got.text}"
-            want_ids, got_ids = want.json()["choices"][0]["token_ids"], got.json()["choices"][0]["token_ids"]
-            assert got_ids == want_ids, f"{case.id} {name}: {got_ids} != colocated {want_ids}"
+            check_same_tokens(c, ref, router, _body(prompt), rid)
             # pull with nothing to read (one prompt token): D releases every P rank and waits for no answer
             want_d = set() if (case.mode, name) == ("pull", "one-token") else want_parts
             deadline = time.monotonic() + 10  # P's part may be recorded just after D answered
@@ -216,22 +234,12 @@ def run_case(pool: Pool, case: Case, index: int) -> None:
                 time.sleep(0.05)
             assert p_parts == want_parts, f"{case.id} {name}: P's parts {sorted(p_parts)}, want {sorted(want_parts)}"
             assert d_parts == want_d, f"{case.id} {name}: D's parts {sorted(d_parts)}, want {sorted(want_d)}"
-        for inst in (p, d):
-            m = wait_idle(inst.url, timeout_s=10)
-            assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], (case.id, inst.name, m)
-    finally:
-        router.stop()
-        pool.done(case)
 
 
 @pytest.mark.parametrize("case", LONG_RUNS, ids=[c.id for c in LONG_RUNS])
 def test_hundreds_in_a_row(cpu_pool: Pool, case: Case) -> None:
     """Issue 25's reproduction (push with P at TP 2 served its first request and 502'd the rest) and its
     mirror: NUM_IN_A_ROW requests through one deployment, each equal to colocated, every block free after."""
-    procs = cpu_pool.servers(case)
-    p, d, ref = procs["p"], procs["d"], procs["ref"]
-    router = cpu_pool.launcher.proxy(case.mode, [p], [d], name=f"router-{case.id}")
-    cpu_pool.launcher.wait_ready()
     rng = random.Random(200)
     lengths = (1, 2, 15, 16, 17, 31, 33, 64, 100, 140)
     prompts: list[list[int]] = []
@@ -240,21 +248,9 @@ def test_hundreds_in_a_row(cpu_pool: Pool, case: Case) -> None:
         if i % 4 == 3:  # a later turn of an earlier prompt: its prefix cached on P (and on D)
             body = prompts[rng.randrange(len(prompts))][:48] + body[:40]
         prompts.append(body)
-    try:
-        with httpx.Client(timeout=120, trust_env=False) as client:
-            for i, prompt in enumerate(prompts):
-                want = client.post(ref.url + "/v1/completions", json=_body(prompt, 4))
-                got = client.post(router.url + "/v1/completions", json=_body(prompt, 4),
-                                  headers={"X-Request-Id": f"row-{i}"})  # fmt: skip
-                assert got.status_code == 200, f"request {i + 1} of {NUM_IN_A_ROW}: {got.status_code} {got.text}"
-                want_ids, got_ids = want.json()["choices"][0]["token_ids"], got.json()["choices"][0]["token_ids"]
-                assert got_ids == want_ids, f"request {i + 1}: {got_ids} != colocated {want_ids}"
-        for inst in (p, d):
-            m = wait_idle(inst.url, timeout_s=10)
-            assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], (case.id, inst.name, m)
-    finally:
-        router.stop()
-        cpu_pool.done(case)
+    with routed(cpu_pool, case, case.id) as (_, _, ref, router), httpx.Client(timeout=120, trust_env=False) as c:
+        for i, prompt in enumerate(prompts):
+            check_same_tokens(c, ref, router, _body(prompt, 4), f"row-{i + 1}-of-{NUM_IN_A_ROW}")
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.id for c in CPU_CASES])
