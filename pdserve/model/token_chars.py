@@ -48,7 +48,7 @@ def max_chars_per_token(hf_tokenizer: Any) -> int | None:
     added = spec.get("added_tokens") or []
     if any(t.get("lstrip") or t.get("rstrip") for t in added):
         return None
-    longest = _longest_model_token(spec.get("model") or {})
+    longest = _longest_model_token(spec.get("model") or {}, _has_byte_level(spec.get("pre_tokenizer")))
     if longest is None:
         return None
     longest = max([longest, 1, *(len(t.get("content", "")) for t in added)])
@@ -80,12 +80,37 @@ def _pre_tokenizer_keeps_chars(node: dict[str, Any] | None) -> bool:
     return node.get("behavior") != "Removed"
 
 
-def _longest_model_token(model: dict[str, Any]) -> int | None:
-    """The longest vocabulary entry, or None for a model that fuses unknown characters into one token."""
+def _has_byte_level(node: dict[str, Any] | None) -> bool:
+    if node is None:
+        return False
+    if node.get("type") == "Sequence":
+        return any(_has_byte_level(n) for n in node.get("pretokenizers", []))
+    return node.get("type") == "ByteLevel"
+
+
+def _byte_level_alphabet() -> set[str]:
+    """The 256 characters a ByteLevel pre-tokenizer maps bytes to (GPT-2's: printable bytes stand for
+    themselves, the others for code points from 256 up, in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = set(map(chr, keep)), 0
+    for b in range(256):
+        if b not in keep:
+            out.add(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def _longest_model_token(model: dict[str, Any], byte_level: bool) -> int | None:
+    """The longest vocabulary entry, or None for a model that fuses unknown characters into one token or drops
+    them (BPE with neither an unknown token nor byte fallback emits nothing for a character it does not know,
+    unless a byte-level pre-tokenizer feeds it only characters its vocabulary holds)."""
     kind = model.get("type")
     if kind == "BPE":
         if model.get("fuse_unk") and not model.get("byte_fallback") and model.get("unk_token") is not None:
             return None
+        if model.get("unk_token") is None and not model.get("byte_fallback"):
+            if not (byte_level and _byte_level_alphabet() <= set(model.get("vocab", {}))):
+                return None
         return max((len(t) for t in model.get("vocab", {})), default=1)
     if kind == "Unigram":
         if not model.get("byte_fallback"):

@@ -220,6 +220,6 @@ def test_refusal_releases_the_pin_at_once(cl):
             time.sleep(0.3)
             assert p.count("finished_sends", f"p-refused-{i}") == 0
         d.call("refuse", params)
-        p.wait_send(f"p-refused-{i}", timeout=1)
+        p.wait_send(f"p-refused-{i}", timeout=5)
         assert p.count("finished_sends", f"p-refused-{i}") == 1
     assert p.call("stats")["transfers_expired"] == 0

@@ -323,7 +323,7 @@ def test_refusal_frees_a_finished_prefill_at_once(cl):
         p_params, d_params = push_params(p, f"t-ref1-{i}")
         assert p.call("finish", f"p-t-ref1-{i}", [0, 1], 8, p_params)[0]
         d.call("refuse", d_params)
-        p.wait_send(f"p-t-ref1-{i}", timeout=1)
+        p.wait_send(f"p-t-ref1-{i}", timeout=5)
     d.call("needs", "d-t-ref1", d_params)
     d.call("alloc", "d-t-ref1", [0, 1], 0, 8)
     kind, reason = d.wait_result("d-t-ref1")
@@ -338,13 +338,13 @@ def test_refusal_before_the_prefill_frees_it_when_handed_over(cl):
     d.call("refuse", d_params)
     time.sleep(0.2)  # the refusal lands first
     assert p.call("finish", "p-t-ref2", [0, 1], 8, p_params)[0]
-    p.wait_send("p-t-ref2", timeout=1)
+    p.wait_send("p-t-ref2", timeout=5)
     p_params, d_params = push_params(p, "t-ref3")
     p.call("needs", "p-t-ref3", p_params)  # P's request arrived: queued or running
     d.call("refuse", d_params)
     time.sleep(0.2)
     assert p.call("finish", "p-t-ref3", [0, 1], 8, p_params)[0]
-    p.wait_send("p-t-ref3", timeout=1)
+    p.wait_send("p-t-ref3", timeout=5)
 
 
 def test_decode_giving_up_frees_the_prefill(cl):
@@ -359,7 +359,7 @@ def test_decode_giving_up_frees_the_prefill(cl):
     d.call("abort", "d-t-ref4")
     assert d.wait_result("d-t-ref4") == ("cancelled", None)
     assert p.call("finish", "p-t-ref4", [2, 3], 8, p_params)[0]
-    p.wait_send("p-t-ref4", timeout=1)
+    p.wait_send("p-t-ref4", timeout=5)
     p, d = cl["p4"], cl["d8"]  # d8 holds its registration back DELAY s: aborted before registering
     p_params, d_params = push_params(p, "t-ref5")
     assert p.call("finish", "p-t-ref5", [0, 1], 8, p_params)[0]
@@ -367,4 +367,4 @@ def test_decode_giving_up_frees_the_prefill(cl):
     d.call("alloc", "d-t-ref5", [0], 0, 8)
     d.call("abort", "d-t-ref5")
     assert d.wait_result("d-t-ref5") == ("cancelled", None)
-    p.wait_send("p-t-ref5", timeout=1)
+    p.wait_send("p-t-ref5", timeout=5)

@@ -77,3 +77,20 @@ def test_added_tokens_that_swallow_whitespace_have_no_bound(flag: str) -> None:
     tok = bpe()
     tok.add_special_tokens([AddedToken("<mask>", **{flag: True})])
     assert max_chars_per_token(fast(tok)) is None
+
+
+def test_bpe_that_drops_unknown_characters_has_no_bound_unless_byte_level_covers_every_byte() -> None:
+    """A BPE with neither an unknown token nor byte fallback emits nothing for a character it does not know: a
+    long text of such characters has few tokens, so no bound (review of issue 26, item 6); behind a byte-level
+    pre-tokenizer whose vocabulary holds all 256 byte characters nothing is unknown, and the bound stays."""
+    no_unk = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    assert max_chars_per_token(fast(no_unk)) is None
+    text = "\u4e00" * 300 + "ab"
+    assert len(no_unk.encode(text).ids) == 1  # the 300 unknown characters are dropped: why no bound
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert max_chars_per_token(fast(byte_level)) == MAX_COMPOSITION * len("<unk>")  # (fast() adds it)
+    partial = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet[:200])}, merges=[]))
+    partial.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert max_chars_per_token(fast(partial)) is None

@@ -87,6 +87,7 @@ class PinKeeper:
         self._ack(sender, msg, True, "", release_sums(self.ctx, send, msg) if msg.ok else [])  # (still pinned)
         if len(pin.released_by) >= num_consumers:
             del self.pinned[rid]
+            self._gone(rid, "every rank of the consumer released it already")  # a later release: held=False now
             self.ctx.sink.send_finished(rid, SendOutcome.OK if pin.ok else SendOutcome.FAILED, pin.num_bytes)
 
     def _ack(self, sender: str, msg: PullRelease, held: bool, reason: str, checksum: list[int] | None = None) -> None:
@@ -111,7 +112,10 @@ class PinKeeper:
         self.early.pop(rid, None)
         if self.pinned.pop(rid, None) is None:
             return
+        self._gone(rid, why)
+        self.ctx.sink.send_finished(rid, outcome)
+
+    def _gone(self, rid: str, why: str) -> None:
         self.gone[rid] = why
         while len(self.gone) > MAX_GONE_PINS:
             self.gone.popitem(last=False)
-        self.ctx.sink.send_finished(rid, outcome)
