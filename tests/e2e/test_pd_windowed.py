@@ -143,12 +143,14 @@ def test_windowed_between_different_block_sizes(fresh_launcher: Launcher, tiny_m
         return fresh_launcher.serve(model, "--num-gpu-blocks", "64", "--block-size", str(bs), *args, name=name)
 
     ref = serve("ref", 16, "--kv-role", "both")
-    p = {(m, bs): serve(f"P{bs}-{m}", bs, "--kv-role", "prefill", "--kv-transfer", m)
+    # with the deployment secret, as D caches received KV (the EXTENDED prompt's prefix hit) only then (issue 26)
+    p = {(m, bs): serve(f"P{bs}-{m}", bs, "--kv-role", "prefill", "--kv-transfer", m, *AUTH)
          for m in MODES for bs in (4, 8, 16)}  # fmt: skip
-    d = {(m, bs): serve(f"D{bs}-{m}", bs, "--kv-role", "decode", "--kv-transfer", m) for m in MODES for bs in (4, 16)}
+    d = {(m, bs): serve(f"D{bs}-{m}", bs, "--kv-role", "decode", "--kv-transfer", m, *AUTH)
+         for m in MODES for bs in (4, 16)}  # fmt: skip
     fresh_launcher.wait_ready()
     routers = {
-        (m, pb, db): fresh_launcher.proxy(m, [p[m, pb]], [d[m, db]], name=f"router-{m}-{pb}-{db}")
+        (m, pb, db): fresh_launcher.proxy(m, [p[m, pb]], [d[m, db]], *AUTH, name=f"router-{m}-{pb}-{db}")
         for m in MODES
         for pb, db in pairs
     }
