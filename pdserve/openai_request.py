@@ -142,7 +142,7 @@ class SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False  # vLLM extension: add prompt_token_ids and token_ids to each choice
-    kv_transfer_params: dict[str, Any] | None = None  # P/D coordinates: parsed by transfer/params_decode.py
+    kv_transfer_params: dict[str, Any] | None = None  # P/D coordinates: parsed by kv/decode.py
 
     @model_validator(mode="before")
     @classmethod

@@ -19,8 +19,8 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.groups import KVGroups
 from pdserve.model.arch import ModelArch
-from pdserve.model.kv_groups import KVGroups
 from pdserve.model.presets import get_preset
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.nop import NopScheduler

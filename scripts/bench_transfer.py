@@ -34,11 +34,11 @@ def _child(conn: Any, gpu: int, role: str, mode: str, model: str, block_size: in
 
     from pdserve.config import TransferConfig
     from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_spec
+    from pdserve.kv.decode import decode
+    from pdserve.kv.params import encode
     from pdserve.model.arch import ModelArch
     from pdserve.model.presets import get_preset
     from pdserve.transfer.factory import make_connectors
-    from pdserve.transfer.params import encode
-    from pdserve.transfer.params_decode import decode
 
     arch = ModelArch.from_hf_config(get_preset(model))
     kv = allocate_kv_cache(arch, num_blocks, block_size, torch.bfloat16, torch.device("cuda" if gpu >= 0 else "cpu"))

@@ -36,9 +36,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, when pdserve is not installed
 
 from pdserve.engine.block_pool import BlockPool, hash_block  # noqa: E402
+from pdserve.kv.decode import decode  # noqa: E402
+from pdserve.kv.params import encode  # noqa: E402
 from pdserve.transfer.layout import BlockLayout, descriptors, token_segments  # noqa: E402
-from pdserve.transfer.params import encode  # noqa: E402
-from pdserve.transfer.params_decode import decode  # noqa: E402
 
 BUILTIN = (30, 3, 64, "float32")  # layers, kv heads, head dim, dtype of the built-in model (SmolLM2-135M)
 

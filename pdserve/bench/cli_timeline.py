@@ -10,7 +10,7 @@ import urllib.error
 from pathlib import Path
 
 from pdserve.bench.phases import PHASES, request_phases
-from pdserve.bench.timeline import draw, fetch, join, load_saved
+from pdserve.bench.timeline import draw, fetch, join, load_saved, save
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def _fetch_panel(spec: str, save_dir: Path | None) -> tuple[str, list]:
     if save_dir is not None:
         save_dir.mkdir(parents=True, exist_ok=True)
         path = save_dir / f"timeline_{mode}.json"
-        path.write_text(json.dumps({"mode": mode, "prefill": prefill, "decode": decode}))
+        save(path, mode, prefill, decode)
         print(f"saved {path}")
     return mode, join(prefill, decode)
 

@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pdserve.bench import cli_bench
 from pdserve.bench.deploy import Deployment, ServerOptions
 from pdserve.bench.metrics import format_quarters, parse_goodput
 from pdserve.bench.phases import PHASES, phase_medians
+from pdserve.bench.timeline import fetch, save
 from pdserve.bench.tokenizer import Vocab, load_vocab
 
 MODES = ("push", "pull", "colocated")
@@ -130,27 +130,6 @@ def _parse_bench(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench")
     cli_bench.add_arguments(parser)
     return parser.parse_args(argv)
-
-
-def fetch_json(url: str, timeout_s: float = 10.0) -> object:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return json.loads(response.read())
-
-
-def _timeline(url: str) -> list[dict]:
-    entries = fetch_json(url.rstrip("/") + "/timeline")
-    if not isinstance(entries, list):
-        raise ValueError(f"{url}/timeline is not a list")
-    return entries
-
-
-def save_timeline(path: Path, mode: str, ends: Endpoints) -> None:
-    """Write both servers' /timeline entries to one JSON file (what `pdserve timeline` reads)."""
-    data: dict[str, object] = {"mode": mode, "prefill": [], "decode": []}
-    for role, url in (("prefill", ends.prefill_url), ("decode", ends.decode_url)):
-        if url:
-            data[role] = fetch_json(url.rstrip("/") + "/timeline")
-    path.write_text(json.dumps(data))
 
 
 class Sweep:
@@ -280,7 +259,7 @@ class Sweep:
         if not sources[0] or mode not in PHASES:
             return {}
         try:
-            entries = [[e for url in urls for e in _timeline(url)] for urls in sources]
+            entries = [[e for url in urls for e in fetch(url)] for urls in sources]
         except (OSError, ValueError) as e:
             self.log(f"[{mode}] no phases: {e}")
             return {}
@@ -291,7 +270,7 @@ class Sweep:
             return
         path = self.cfg.results_dir / f"timeline_{mode}.json"
         try:
-            save_timeline(path, mode, ends)
+            save(path, mode, *(fetch(url) if url else [] for url in (ends.prefill_url, ends.decode_url)))
             self.log(f"[{mode}] timeline written to {path}")
         except OSError as e:
             self.log(f"[{mode}] no timeline: {e}")

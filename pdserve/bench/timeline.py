@@ -96,6 +96,11 @@ def fetch(url: str, timeout_s: float = 10.0) -> list[dict]:
     return data.get("requests", []) if isinstance(data, dict) else data
 
 
+def save(path: Path, mode: str, prefill_entries: list[dict], decode_entries: list[dict]) -> None:
+    """Write one mode's /timeline entries of both instances to one file (what `load_saved` reads)."""
+    path.write_text(json.dumps({"mode": mode, "prefill": prefill_entries, "decode": decode_entries}))
+
+
 def load_saved(path: Path) -> tuple[str, list[RequestTimeline]]:
     """A file written by `pdserve sweep --save-timeline` or `pdserve timeline --save-dir`: (mode, timelines)."""
     data = json.loads(Path(path).read_text())

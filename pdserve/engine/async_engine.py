@@ -33,8 +33,8 @@ from pdserve.engine.client import (
 )
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.kv.params import PullSource, PushSource
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.transfer.params import PullSource, PushSource
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 no longer reads.
 
 Lives apart from the scheduler because it is the one place that turns token counts into blocks (every group
-grows together, all or nothing) and knows the STALE entries of windowed groups (model/kv_groups.py); the
+grows together, all or nothing) and knows the STALE entries of windowed groups (kv/groups.py); the
 scheduler decides who gets blocks, this decides which. Pure Python, no torch.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
-from pdserve.model.kv_groups import STALE, KVGroups
-from pdserve.transfer.params import RemoteDecode
+from pdserve.kv.groups import STALE, KVGroups
+from pdserve.kv.params import RemoteDecode
 
 
 class BlockTables:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.engine.outputs import RequestOutput
+from pdserve.kv.params import KVTransferParams, PullSource, PushSource
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer.params import KVTransferParams, PullSource, PushSource
 
 if TYPE_CHECKING:
     from pdserve.model.tokenizer import Tokenizer

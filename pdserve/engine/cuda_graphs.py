@@ -7,7 +7,7 @@ batch. Captured once per bucket (1, 2, 4, 8, 16, 24, 32, 48, 64 rows), a step is
 Static inputs live in one int64 device buffer, filled each step by a single host->device copy from a pinned
 staging buffer: [input_ids | positions | context_lens | slot_mapping of each KV group] (bucket-max rows each)
 followed by the block tables ([max_rows, num_groups, max_blocks_per_seq], row-major: a bucket's rows are one
-prefix of the buffer). A model with several KV groups (model/kv_groups.py: sliding-window layers) gets one
+prefix of the buffer). A model with several KV groups (kv/groups.py: sliding-window layers) gets one
 AttentionContext per group, each its own slots and a strided view of its tables. Padding rows of a bucket
 get slot -1 (their K/V is not stored) and context length 0 (their attention output is zero); their logits
 are ignored. Invariants: a row's block-table entries past ceil(context_len / block_size) are never read, nor

@@ -27,9 +27,9 @@ from pdserve.engine.text import TextTracker
 from pdserve.engine.timelines import Timelines
 from pdserve.engine.tp_group import TPGroup, TPGroupError
 from pdserve.engine.tp_transfer import TPWorker
+from pdserve.kv.params import KVTransferParams, PullSource, PushSource, RemoteDecode
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
-from pdserve.transfer.params import KVTransferParams, PullSource, PushSource, RemoteDecode
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ between instances is one NIXL descriptor however many layers the model has (a la
 stride is num_layers * 2 * num_kv_heads * block_size * head_dim elements, head stride block_size * head_dim
 and token stride head_dim.
 
-Sliding-window and hybrid models (model/kv_groups.py): a block holds the layers of one KV group,
+Sliding-window and hybrid models (kv/groups.py): a block holds the layers of one KV group,
 [num_blocks, layers_per_block, 2, num_kv_heads, block_size, head_dim]; with one group (every model whose layers
 share one attention type) layers_per_block = num_layers and all of the above holds as is.
 
@@ -29,13 +29,13 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import CacheConfig, ConfigError
+from pdserve.kv.groups import KVGroups
 from pdserve.model.arch import ModelArch
-from pdserve.model.kv_groups import KVGroups
 from pdserve.transfer.base import KVCacheSpec
 
 
 def layers_per_block(arch: ModelArch) -> int:
-    """Layers one KV block holds: all of them, or one KV group's (model/kv_groups.py)."""
+    """Layers one KV block holds: all of them, or one KV group's (kv/groups.py)."""
     return KVGroups.of(arch.layer_windows, arch.num_layers).layers_per_block
 
 

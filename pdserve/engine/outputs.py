@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.transfer.params import KVAnswer
+from pdserve.kv.params import KVAnswer
 
 
 @dataclass

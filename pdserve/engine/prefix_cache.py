@@ -1,7 +1,7 @@
 """The prefix cache's policy: which cached blocks a new request resumes from, and which of its blocks to register.
 
 Block hashes are chained (engine/block_pool.hash_block) and memoised on the request; a windowed KV group
-(model/kv_groups.py) keys its blocks apart from group 0's and needs only the window's blocks, the entries before
+(kv/groups.py) keys its blocks apart from group 0's and needs only the window's blocks, the entries before
 them STALE. Lives apart from the scheduler because it is one policy with its own invariants (a hit never covers
 the last token; a block with rows D never received is never registered, nor any block of a request whose KV was
 received unauthenticated: Request.cache_blocks) that the token-budget loop only calls.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pdserve.engine.block_pool import BlockPool, hash_block
 from pdserve.engine.request import Request
-from pdserve.model.kv_groups import STALE, KVGroups
+from pdserve.kv.groups import STALE, KVGroups
 
 
 class PrefixCache:

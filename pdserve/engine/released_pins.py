@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from pdserve.engine.request import Request
-from pdserve.transfer.params import RemoteDecode
+from pdserve.kv.params import RemoteDecode
 
 MAX_RELEASED_IDS = 4096  # P: request ids whose pins were released, so a repeated release still answers found
 

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.kv.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer.params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
@@ -28,9 +28,9 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # one table per KV group (model/kv_groups.py; one for most models): entry i holds tokens
+    # one table per KV group (kv/groups.py; one for most models): entry i holds tokens
     # [i*block_size, (i+1)*block_size) of that group's layers; a windowed group's entries before its window are
-    # kv_groups.STALE (freed). The scheduler sizes the list to the number of groups.
+    # kv.groups.STALE (freed). The scheduler sizes the list to the number of groups.
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache or a remote prefill

@@ -108,7 +108,7 @@ class ModelRunner:
     def _prepare(
         self, chunks: Sequence[Chunk]
     ) -> tuple[AttentionContext | list[AttentionContext], torch.Tensor, torch.Tensor, list[int]]:
-        """The step's inputs: one AttentionContext, or one per KV group (model/kv_groups.py) when the model has
+        """The step's inputs: one AttentionContext, or one per KV group (kv/groups.py) when the model has
         several; token ids [T], positions [T], and the rows whose logits are sampled."""
         ids: list[int] = []
         pos: list[int] = []

@@ -17,9 +17,9 @@ from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from pdserve.model.kv_groups import STALE, KVGroups
+from pdserve.kv.groups import STALE, KVGroups
+from pdserve.kv.params import PullSource, PushSource
 from pdserve.transfer.base import ConnectorScheduler
-from pdserve.transfer.params import PullSource, PushSource
 
 
 class Scheduler:

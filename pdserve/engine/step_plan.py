@@ -2,7 +2,7 @@
 
 Every rank builds the same AttentionContext from the same plan (ModelRunner.forward), so the ranks' forward
 passes line up collective for collective. Only what the model needs crosses: token ids, start positions,
-every KV group's block ids covering each chunk's context (model/kv_groups.py: one group for most models; a
+every KV group's block ids covering each chunk's context (kv/groups.py: one group for most models; a
 windowed group's entries before its window are STALE, -1, and cross as such: the runner builds one context per
 group from them and never reads those), and which chunks sample (their rows' logits are gathered). Request ids
 and sampling parameters stay on rank 0, which alone samples.
@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pdserve.model.kv_groups import STALE
+from pdserve.kv.groups import STALE
 
 # 1: first version (chunks of token ids, start positions, block ids, sample flags); 2: TRANSFER (a StepMeta);
 # 3: a block table per KV group (num_groups per chunk; STALE entries) (sliding-window / hybrid models)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from pdserve.config import EngineConfig
-from pdserve.model.kv_groups import KVGroups
+from pdserve.kv.groups import KVGroups
 
 if TYPE_CHECKING:  # the rank imports torch only once spawned
     import torch.distributed

@@ -44,7 +44,7 @@ def paged_attention(
 
     With a window, the query at position p attends to keys at positions (p - window, p] only (transformers'
     sliding_window_overlay) and reads no block before the one holding key max(0, p - window + 1): a windowed
-    layer's older blocks may have been freed and reused (engine/kv_groups.py), their table entries stale.
+    layer's older blocks may have been freed and reused (kv/groups.py), their table entries stale.
 
     On CUDA with k and v given (and Triton present), every layer, windowed or not, dispatches to
     cuda_attention.paged_attention_cuda (the same function: tiled flash prefill, a Triton decode kernel that

@@ -14,7 +14,7 @@ instead of gathering from the cache:
 - decode rows: one Triton program per (sequence, kv head, split) reads the sequence's pages straight from
   the block table, keeps the group's query heads in one tile, and writes a partial softmax; a second kernel
   merges the splits. With a window the splits share the last W keys only: pages before the one holding
-  key max(0, L - W) are never loaded (a windowed group's table entries there may be STALE, kv_groups.py).
+  key max(0, L - W) are never loaded (a windowed group's table entries there may be STALE, kv/groups.py).
   Split count is a function of the batch size and the layer's window, never of the context lengths, so a
   captured CUDA graph stays valid.
 

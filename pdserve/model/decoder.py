@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kv.groups import KVGroups
 from pdserve.model import cpu_attention
 from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.arch import ModelArch
@@ -49,7 +50,6 @@ from pdserve.model.cpu_linear import (
     mkl_packed_gemm,
 )
 from pdserve.model.decoder_layer import DecoderLayer, RMSNorm
-from pdserve.model.kv_groups import KVGroups
 from pdserve.model.paged import AttentionContext, layer_view
 from pdserve.model.parallel import Collectives, TPShard, shard_for
 from pdserve.model.rotary import cos_sin, rope_inv_freq
@@ -75,7 +75,7 @@ class Decoder(nn.Module):
         vocab = self.shard.vocab_per_rank  # the whole vocabulary at TP 1
         self.embed_tokens = nn.Embedding(vocab, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, self.shard, self.comm, i) for i in range(arch.num_layers))
-        self.kv_groups = KVGroups.of(arch.layer_windows, arch.num_layers)  # model/kv_groups.py
+        self.kv_groups = KVGroups.of(arch.layer_windows, arch.num_layers)  # kv/groups.py
         self._layer_slots = self.kv_groups.layer_slots()  # layer -> (group, slot in a block)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab, bias=False)
@@ -112,7 +112,7 @@ class Decoder(nn.Module):
         self, kv_cache: torch.Tensor, ctx: AttentionContext | Sequence[AttentionContext]
     ) -> list[tuple[torch.Tensor, AttentionContext]]:
         """(cache view, context) of every layer. One context: every layer reads the same block tables from a
-        cache of num_layers per block. One context per KV group (model/kv_groups.py): layer i reads its
+        cache of num_layers per block. One context per KV group (kv/groups.py): layer i reads its
         group's tables and its slot of a cache of layers_per_block per block."""
         if isinstance(ctx, AttentionContext):
             return [(layer_view(kv_cache, i), ctx) for i in range(self.arch.num_layers)]

@@ -33,15 +33,9 @@ import aiohttp
 from starlette.responses import JSONResponse, Response
 
 from pdserve.auth import DEFAULT_TTL_S
-from pdserve.router.call import Call, prefill_body
-from pdserve.router.health import HealthMonitor
-from pdserve.router.policy import MODES, Backend, Lease, Pool
-from pdserve.router.prefill_info import PrefillInfo, push_coordinates
-from pdserve.router.prompt_len import estimate_prompt_tokens
-from pdserve.router.relay import relay_stream
-from pdserve.router.upstream import LegError, open_stream, post_json
-from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import (
+from pdserve.kv.capability import KVAuth
+from pdserve.kv.decode import decode_answer
+from pdserve.kv.params import (
     KVParamsError,
     Mode,
     PullSource,
@@ -50,7 +44,13 @@ from pdserve.transfer.params import (
     RemoteDecode,
     encode,
 )
-from pdserve.transfer.params_decode import decode_answer
+from pdserve.router.call import Call, prefill_body
+from pdserve.router.health import HealthMonitor
+from pdserve.router.policy import MODES, Backend, Lease, Pool
+from pdserve.router.prefill_info import PrefillInfo, push_coordinates
+from pdserve.router.prompt_len import estimate_prompt_tokens
+from pdserve.router.relay import relay_stream
+from pdserve.router.upstream import LegError, open_stream, post_json
 from pdserve.web import ClientDisconnected, race_disconnect, until_disconnect
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Orchestrator:
         self._prefill = prefill
         self.decode = decode
         self.session = session
-        self.kv_auth = kv_auth or KVAuth(None)  # signs push capabilities (transfer/capability.py)
+        self.kv_auth = kv_auth or KVAuth(None)  # signs push capabilities (kv/capability.py)
         self.colocate_below = colocate_below
         self.num_whole = 0  # calls sent whole to one instance so far (all of them in colocated mode)
         self.prefill_info = PrefillInfo(session, info_timeout_s)  # push: P URL -> its /kv_transfer/info

@@ -22,13 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.credentials import Credentials
+from pdserve.kv.capability import KVAuth
 from pdserve.openai_request import CHAT_PATH, COMPLETIONS_PATH, parse_request
 from pdserve.router.call import Call
 from pdserve.router.health import HealthMonitor
 from pdserve.router.orchestrate import Orchestrator
 from pdserve.router.policy import MODES, POLICIES, Pool
 from pdserve.router.upstream import LegError, get_json, make_session
-from pdserve.transfer.capability import KVAuth
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID_HEADER,

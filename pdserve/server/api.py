@@ -27,6 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.auth import AuthError
 from pdserve.credentials import Credentials
 from pdserve.engine.client import AddRequest, EngineClient, ReleaseRequest
+from pdserve.kv.capability import KVAuth
+from pdserve.kv.decode import decode
+from pdserve.kv.params import KVParamsError, PullSource, RemoteDecode
 from pdserve.openai_request import ChatCompletionRequest, CompletionRequest, SamplingFields, describe
 from pdserve.server import metrics
 from pdserve.server.prepare import (
@@ -41,9 +44,6 @@ from pdserve.server.refusal import EdgeRefusal, give_back_unparsed
 from pdserve.server.render import Kind, Renderer
 from pdserve.server.state import RETRY_AFTER_S, Limits, ServerState
 from pdserve.server.streams import RequestRun
-from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import KVParamsError, PullSource, RemoteDecode
-from pdserve.transfer.params_decode import decode
 from pdserve.web import (
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID_HEADER,

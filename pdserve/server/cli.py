@@ -205,9 +205,9 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
     import uvicorn
 
     from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.kv.capability import KVAuth
     from pdserve.server.api import build_app
     from pdserve.server.state import Limits
-    from pdserve.transfer.capability import KVAuth
     from pdserve.web import MAX_REQUEST_HEAD_BYTES
 
     failed: list[BaseException] = []

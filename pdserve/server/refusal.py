@@ -19,9 +19,9 @@ import logging
 from types import TracebackType
 from typing import Any
 
+from pdserve.kv.decode import decode
+from pdserve.kv.params import PullSource, PushSource
 from pdserve.server.state import ServerState
-from pdserve.transfer.params import PullSource, PushSource
-from pdserve.transfer.params_decode import decode
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from pdserve.engine.outputs import RequestOutput
+from pdserve.kv.params import encode
 from pdserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -21,7 +22,6 @@ from pdserve.server.protocol import (
     Usage,
 )
 from pdserve.server.streams import RequestRun
-from pdserve.transfer.params import encode
 from pdserve.web import error_body
 
 Kind = Literal["completion", "chat"]

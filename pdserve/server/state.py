@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from pdserve.config import ConfigError
 from pdserve.engine.client import EngineClient, EngineInfo
+from pdserve.kv.capability import KVAuth
 from pdserve.server.protocol import ApiError
-from pdserve.transfer.capability import KVAuth
 
 log = logging.getLogger(__name__)
 

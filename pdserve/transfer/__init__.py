@@ -1,13 +1,11 @@
 """KV-cache transfer between a prefill (P) and a decode (D) instance over NIXL, in pull or push mode.
 
 Entry point: `factory.make_connectors(cfg, block_size) -> (ConnectorScheduler, ConnectorWorker)`; the
-contract is base.py. This package never imports the engine or the server.
+contract is base.py; kv_transfer_params, capabilities and KV groups are pdserve.kv's. This package never
+imports the engine, the server or the model.
 
 Files, laid out by thread. Shared and pure (no torch, numpy or nixl):
   base.py            the contract: KVCacheSpec, RecvTask, SendTask, StepMeta, TransferResults, the two ABCs
-  params.py          kv_transfer_params: vLLM's key names, one decode (at the HTTP edge) and one encode, typed
-                     values (RemoteDecode, PullSource, PushSource; P's answers PushAnswer, Refusal)
-  capability.py      capabilities on kv_transfer_params: issued by P (pull) or the router (push), checked at the edge
   wire.py            the wire codec (WIRE_VERSION, encode/decode, field checks) and the side channel's frames;
                      wire_notifs.py: the NIXL notifications (pull release/ack, push register/done/cancel/fail);
                      wire_compat.py: whether two handshakes can exchange KV (compatibility hash, refusal)

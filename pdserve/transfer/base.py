@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.model.kv_groups import STALE, KVGroups
-from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
+from pdserve.kv.groups import STALE, KVGroups
+from pdserve.kv.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class KVCacheSpec:
     tp_size: int = 1  # ranks of the instance
     total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, one rank holds them all)
     rank_ports: tuple[int, ...] = ()  # rank 0: every rank's side-channel port (announced in its handshake)
-    # the model's KV layer groups (model/kv_groups.py; num_layers = layers per block); None: one full group
+    # the model's KV layer groups (kv/groups.py; num_layers = layers per block); None: one full group
     kv_groups: KVGroups | None = None
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.config import TransferConfig
-from pdserve.model.kv_groups import KVGroups
+from pdserve.kv.groups import KVGroups
 from pdserve.transfer.base import ConnectorScheduler, ConnectorWorker
 from pdserve.transfer.nop import NopScheduler, NopWorker
 

@@ -23,7 +23,7 @@ The prompt's last block is usually partial (D computes the last prompt token its
 it whole when that is safe (equal block sizes), keeping it one descriptor per (block, region) or less instead of
 one per (region, head); its docstring carries the argument.
 
-Sliding-window and hybrid models (model/kv_groups.py): a block holds num_layers = layers_per_block layers of one
+Sliding-window and hybrid models (kv/groups.py): a block holds num_layers = layers_per_block layers of one
 KV group, and each group has its own block table on each side. group_segments() cuts every group's range
 (group_ranges: a windowed group moves only the blocks of the window its next query reads) with its own tables;
 STALE (-1) entries lie before that range and are never addressed.
@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pdserve.model.kv_groups import STALE, first_live_block
+from pdserve.kv.groups import STALE, first_live_block
 from pdserve.transfer.base import KVCacheSpec
 
 

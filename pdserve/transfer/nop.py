@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pdserve.kv.params import KVAnswer, KVTransferParams, PullSource, PushSource
 from pdserve.transfer.base import (
     ConnectorScheduler,
     ConnectorWorker,
@@ -13,7 +14,6 @@ from pdserve.transfer.base import (
     TransferResults,
     TransferStats,
 )
-from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
 
 class NopScheduler(ConnectorScheduler):

@@ -3,7 +3,7 @@ TransferResults back (explicit msgpack, never pickle), and RankMerger, which tur
 the one result per request the engine expects (the invariant is in base.py). Pure Python (msgpack only).
 
 Encoding: a msgpack map {"v": RANKS_VERSION, ...}; RecvTask.source goes as its kv_transfer_params object
-(params.encode / params_decode.decode), so one translation exists.
+(kv.params.encode / kv.decode.decode), so one translation exists.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 import msgpack
 
+from pdserve.kv.decode import decode as decode_params
+from pdserve.kv.params import PullSource, PushSource
+from pdserve.kv.params import encode as encode_params
 from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults, TransferStats
-from pdserve.transfer.params import PullSource, PushSource
-from pdserve.transfer.params import encode as encode_params
-from pdserve.transfer.params_decode import decode as decode_params
 
 # 1: StepMeta and TransferResults + TransferStats between the ranks of one instance (2026-12-03).
 # 2: RecvTask/SendTask block_tables (sliding-window models: a table per KV group) (2026-12-04).

@@ -74,7 +74,7 @@ class PeerInfo:
     rank_ports: list[int]  # side-channel port of every rank, on this host (rank 0's handshake lists them all)
     compat_hash: str
     epoch: int  # this process's start (time.time_ns()): a restarted peer at the same address has another
-    group_windows: list[int]  # per KV group (model/kv_groups.py): its sliding window, 0 = the whole context
+    group_windows: list[int]  # per KV group (kv/groups.py): its sliding window, 0 = the whole context
     group_layers: list[list[int]]  # per KV group: its model layer indices (slot j of a block holds layers[j])
     kv_checksum: bool = False  # --kv-checksum: every transfer's KV is summed on both sides (transfer/checksum.py)
 

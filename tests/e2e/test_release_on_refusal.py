@@ -32,9 +32,9 @@ import pytest
 from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
 
 from pdserve.auth import new_secret
-from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import Mode, PullSource, PushSource, RemoteDecode, encode
-from pdserve.transfer.params_decode import decode
+from pdserve.kv.capability import KVAuth
+from pdserve.kv.decode import decode
+from pdserve.kv.params import Mode, PullSource, PushSource, RemoteDecode, encode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

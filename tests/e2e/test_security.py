@@ -21,9 +21,9 @@ import pytest
 from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
 
 from pdserve.auth import Signer, new_secret
+from pdserve.kv.capability import PULL, pull_fields
+from pdserve.kv.decode import decode
 from pdserve.transfer import wire
-from pdserve.transfer.capability import PULL, pull_fields
-from pdserve.transfer.params_decode import decode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import torch
 from test_generate import _hf_greedy, _llm, _prompts
 
 from pdserve import LLM, SamplingParams
+from pdserve.kv.groups import STALE, KVGroups
 from pdserve.model.attention import paged_attention
-from pdserve.model.kv_groups import STALE, KVGroups
 from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan
 
 WINDOWED = ["mistral_swa", "qwen2_swa", "gemma3"]  # windows 10, 7 (layer 1 only), 6 (layers 0 and 2)

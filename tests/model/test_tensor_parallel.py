@@ -28,8 +28,8 @@ from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_plan import SHUTDOWN, PlanChunk, PlanError, PlanKind, StepPlan, decode, encode
 from pdserve.engine.tp_group import TPGroupError
+from pdserve.kv.groups import STALE, KVGroups
 from pdserve.model.arch import ModelArch
-from pdserve.model.kv_groups import STALE, KVGroups
 from pdserve.model.loader import load_model, model_arch
 from pdserve.model.parallel import shard_for, shard_param
 

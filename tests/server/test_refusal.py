@@ -15,12 +15,12 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.capability import KVAuth
+from pdserve.kv.params import Capability, PullSource, PushSource, encode
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.protocol import ApiError
 from pdserve.server.refusal import EdgeRefusal, give_back_unparsed
-from pdserve.transfer.capability import KVAuth
 from pdserve.transfer.nop import NopScheduler
-from pdserve.transfer.params import Capability, PullSource, PushSource, encode
 
 TOKENS = list(range(40, 60))
 SRC = PullSource("127.0.0.1", 5600, "p", "req-1", (3, 4), len(TOKENS) - 1, 16)

@@ -80,9 +80,9 @@ def cpu_cost(seconds: float = 5.0) -> None:
     import torch
 
     from pdserve.config import TransferConfig
+    from pdserve.kv.params import RemoteDecode
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
-    from pdserve.transfer.params import RemoteDecode
 
     sched, worker = make_connectors(TransferConfig(role="prefill", mode="pull", side_channel_port=0, lease_s=100), 16)
     kv = torch.zeros(16, 2, 2, 2, 16, 4)  # [blocks, layers, 2, heads, block_size, head_dim]

@@ -49,15 +49,15 @@ def _child(
 
     logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(levelname)s %(message)s")
     from pdserve.config import TransferConfig
-    from pdserve.model.kv_groups import KVGroups
+    from pdserve.kv.decode import decode
+    from pdserve.kv.groups import KVGroups
+    from pdserve.kv.params import PullSource, PushSource, encode
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
-    from pdserve.transfer.params import PullSource, PushSource, encode
-    from pdserve.transfer.params_decode import decode
 
     torch.set_num_threads(1)
     cfg = TransferConfig(**cfg_kwargs)
-    # windows: per model layer (model/kv_groups.py); every group must hold dims' layers per block
+    # windows: per model layer (kv/groups.py); every group must hold dims' layers per block
     groups = KVGroups.of(windows, len(windows)) if windows else None
     assert groups is None or groups.layers_per_block == dims[0], groups
     sched, worker = make_connectors(cfg, block_size, kv_groups=groups)

@@ -1,4 +1,4 @@
-"""Capabilities on kv_transfer_params (transfer/capability.py): issue, round-trip through JSON, verify."""
+"""Capabilities on kv_transfer_params (kv/capability.py): issue, round-trip through JSON, verify."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 
 from pdserve.auth import AuthError, is_loopback, unauthenticated_listen_error
-from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import Mode, PullSource, PushSource, RemoteDecode, encode
-from pdserve.transfer.params_decode import decode
+from pdserve.kv.capability import KVAuth
+from pdserve.kv.decode import decode
+from pdserve.kv.params import Mode, PullSource, PushSource, RemoteDecode, encode
 
 SECRET = b"s" * 32
 PROMPT = list(range(100, 140))

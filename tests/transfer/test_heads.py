@@ -5,10 +5,10 @@ rank merger's one-result-per-request rule; StepMeta between ranks round-trips.""
 import numpy as np
 import pytest
 
+from pdserve.kv.params import PushSource
 from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults, TransferStats
 from pdserve.transfer.heads import mapping_error, rank_heads, sources
 from pdserve.transfer.layout import BlockLayout, Heads, descriptors, pad_last_blocks, token_segments
-from pdserve.transfer.params import PushSource
 from pdserve.transfer.ranks import RankMerger, decode_meta, decode_results, encode_meta, encode_results
 
 LAYERS, BS, NB, HD = 2, 4, 4, 2  # layers, block size, blocks, head dim (float32 elements)

@@ -3,7 +3,8 @@ value is a KVParamsError (a ValueError) whose message names the key."""
 
 import pytest
 
-from pdserve.transfer.params import (
+from pdserve.kv.decode import decode, decode_answer
+from pdserve.kv.params import (
     KVParamsError,
     Mode,
     PullSource,
@@ -13,7 +14,6 @@ from pdserve.transfer.params import (
     RemoteDecode,
     encode,
 )
-from pdserve.transfer.params_decode import decode, decode_answer
 
 PULL = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5600, "remote_block_ids": [0, 1],
         "remote_request_id": "r", "remote_num_tokens": 20, "transfer_mode": "pull"}  # fmt: skip

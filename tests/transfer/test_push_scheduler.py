@@ -2,7 +2,7 @@
 ends each with exactly one SendTask (finished) or one abandoned entry (aborted, failed)."""
 
 from pdserve.config import TransferConfig
-from pdserve.transfer.params import Mode, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
+from pdserve.kv.params import Mode, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
 from pdserve.transfer.scheduler.push import PushScheduler
 
 

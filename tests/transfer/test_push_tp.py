@@ -14,9 +14,9 @@ from typing import Any, cast
 import numpy as np
 
 from pdserve.config import TransferConfig
+from pdserve.kv.params import PushSource
 from pdserve.transfer.base import KVCacheSpec, RecvTask, SendTask
 from pdserve.transfer.layout import BlockLayout
-from pdserve.transfer.params import PushSource
 from pdserve.transfer.thread.agent import Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.peers import Peer

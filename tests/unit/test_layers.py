@@ -2,11 +2,13 @@
 loads a module its layer must not.
 
 Layers (docs/architecture.md, "Pieces and dependencies"):
-- the block pool, the scheduler and the connectors' scheduler halves are pure Python: no torch, numpy or nixl;
+- the block pool, the scheduler, the connectors' scheduler halves and the P/D contract (kv/) are pure Python: no
+  torch, numpy or nixl;
 - the engine facade the server holds (engine/client.py), the server's HTTP modules and the shared web
   module load no torch;
 - transfer/ never imports the engine or the server;
-- the router and the bench speak HTTP only: no torch, no engine, no model, no server.
+- the router and the bench speak HTTP only: no torch, no engine, no model, no server, no transfer (the P/D
+  contract they need is kv/).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ PURE = [
     "pdserve.credentials",
     "pdserve.model.token_chars",
     "pdserve.transfer.base",
-    "pdserve.transfer.params",
-    "pdserve.transfer.params_decode",
+    "pdserve.kv.params",
+    "pdserve.kv.decode",
     "pdserve.transfer.faults",
     "pdserve.transfer.factory",
 ]
@@ -79,7 +81,7 @@ NO_TORCH = [
 ]
 
 
-@pytest.mark.parametrize("module", PURE + scheduler_halves())
+@pytest.mark.parametrize("module", PURE + all_modules("pdserve.kv") + scheduler_halves())
 def test_pure_python_layers_load_no_torch_numpy_or_nixl(module: str) -> None:
     assert heavy(loaded_after_import(module)) == set()
 
@@ -101,10 +103,11 @@ def test_transfer_imports_neither_engine_nor_server() -> None:
 
 def test_router_and_bench_speak_http_only() -> None:
     loaded = loaded_after_import(*all_modules("pdserve.router"), *all_modules("pdserve.bench"), "pdserve.web")
-    bad = {m for m in loaded if m.startswith(("pdserve.engine", "pdserve.model", "pdserve.server"))}
+    bad = {m for m in loaded if m.startswith(("pdserve.engine", "pdserve.model", "pdserve.server", "pdserve.transfer"))}
     assert bad == set() and "torch" not in loaded
 
 
 def test_layer_rules_cover_the_package() -> None:
     assert pdserve.__file__ is not None
     assert all_modules("pdserve.router") and all_modules("pdserve.bench") and all_modules("pdserve.transfer")
+    assert all_modules("pdserve.kv")

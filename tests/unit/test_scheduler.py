@@ -6,9 +6,9 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.params import PullSource, PushSource, RemoteDecode
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.nop import NopScheduler
-from pdserve.transfer.params import PullSource, PushSource, RemoteDecode
 
 
 class RecordingConnector(NopScheduler):

@@ -6,7 +6,7 @@ from test_scheduler import SOURCE, TO_DECODE, RecordingConnector, req, run_step
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.scheduler import Scheduler
-from pdserve.model.kv_groups import STALE, KVGroups
+from pdserve.kv.groups import STALE, KVGroups
 
 GROUPS = KVGroups.of((None, 8), 2)  # layer 0 full (group 0), layer 1 a window of 8 (group 1)
 N = 23  # D computes token 22 itself; its query reads keys 15..22: blocks 3.. of 4 tokens (P's own next query: 4..)

@@ -7,9 +7,9 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.config import TransferConfig
-from pdserve.model.kv_groups import KVGroups
+from pdserve.kv.groups import KVGroups
+from pdserve.kv.params import KVAnswer, KVTransferParams, PullSource, PushSource
 from pdserve.transfer.base import RecvTask, StepMeta
-from pdserve.transfer.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
 
 class SchedulerBase:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.kv.capability import KVAuth
+from pdserve.kv.params import KVTransferParams, PullSource, RemoteDecode
 from pdserve.transfer.base import ConnectorScheduler, SendTask
-from pdserve.transfer.capability import KVAuth
-from pdserve.transfer.params import KVTransferParams, PullSource, RemoteDecode
 from pdserve.transfer.scheduler.base import SchedulerBase
 
 

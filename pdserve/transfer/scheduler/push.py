@@ -9,8 +9,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.kv.params import KVTransferParams, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
 from pdserve.transfer.base import ConnectorScheduler, RecvTask, SendTask
-from pdserve.transfer.params import KVTransferParams, PullSource, PushAnswer, PushSource, Refusal, RemoteDecode
 from pdserve.transfer.scheduler.base import SchedulerBase
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.transfer.params import PullSource, PushSource
+from pdserve.kv.params import PullSource, PushSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.peers import Peer

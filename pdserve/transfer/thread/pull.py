@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.kv.params import PullSource
 from pdserve.transfer.base import RecvTask, StepMeta
 from pdserve.transfer.faults import FaultPoint
 from pdserve.transfer.layout import LayoutError, descriptors, group_segments, num_bytes, pad_last_blocks
-from pdserve.transfer.params import PullSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.give_back import give_back

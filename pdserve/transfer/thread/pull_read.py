@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.kv.params import PullSource
 from pdserve.transfer.base import RecvTask
-from pdserve.transfer.params import PullSource
 from pdserve.transfer.thread.agent import Xfer
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.wire_notifs import PullRelease

@@ -30,9 +30,9 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.kv.params import PushSource
 from pdserve.transfer.base import RecvTask
 from pdserve.transfer.faults import FaultPoint
-from pdserve.transfer.params import PushSource
 from pdserve.transfer.thread.agent import AgentError, PeerGone
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.kv_verify import consumer_sums, mismatch

@@ -12,8 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.kv.params import PushSource
 from pdserve.transfer.base import RecvTask
-from pdserve.transfer.params import PushSource
 from pdserve.transfer.thread.peers import Peer
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.transfer.params import (
+from pdserve.kv.params import (
     CAPABILITY,
     DECODE_MAX_TOKENS,
     DO_REMOTE_DECODE,

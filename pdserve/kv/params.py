@@ -1,7 +1,7 @@
 """kv_transfer_params: a request's P/D coordinates, parsed once at the HTTP edge into frozen values.
 
 The wire format is vLLM's (a JSON object under `kv_transfer_params` in request and response bodies), so
-vLLM-style proxies fit; every key is named once below, `decode`/`decode_answer` (params_decode.py) read it and
+vLLM-style proxies fit; every key is named once below, `decode`/`decode_answer` (decode.py) read it and
 `encode` writes it. Past the edge only the typed values travel (server -> engine -> Request -> connector ->
 transfer thread). A vLLM prefill instance's answer decodes too (its per-KV-group `remote_block_ids` with one
 group, extra keys such as dcp_size ignored), so pdserve's router can check it before relaying it verbatim to a
@@ -13,7 +13,7 @@ What a request carries (`KVTransferParams`):
   PushSource    D (push): the producer to register with (`do_remote_prefill` + `transfer_id` + P's address)
 What a finished P request answers (`KVAnswer`): a PullSource (pull), a PushAnswer (push) or a Refusal.
 
-Each value is checked by decode (types, ranges, lengths; params_decode.py), so a malformed set is a
+Each value is checked by decode (types, ranges, lengths; decode.py), so a malformed set is a
 KVParamsError (a ValueError naming the key: the server's 400) before the engine allocates anything. A later
 field (a capability's MAC, an expiry) is one key constant, one field, one line in decode and one in encode.
 Pure Python: the router imports it too.
@@ -41,7 +41,7 @@ TRANSFER_ID = "transfer_id"  # push: pairs P's prefill with D's registration (th
 TRANSFER_MODE = "transfer_mode"  # "pull" | "push"
 ERROR = "error"  # P's answer when it cannot hand the KV over
 DECODE_MAX_TOKENS = "decode_max_tokens"  # P (pdserve's router): the client's max_tokens for the decode leg
-CAPABILITY = "kv_capability"  # pdserve's: {"expires_at", "mac", "prompt_digest"} (transfer/capability.py)
+CAPABILITY = "kv_capability"  # pdserve's: {"expires_at", "mac", "prompt_digest"} (kv/capability.py)
 
 
 class Mode(enum.Enum):
@@ -65,7 +65,7 @@ class KVParamsError(ValueError):
 @dataclass(frozen=True)
 class Capability:
     """Proof that the coordinates next to it were issued (P for pull, the router for push) by a holder of
-    the deployment secret: transfer/capability.py says which fields its MAC covers and checks it."""
+    the deployment secret: kv/capability.py says which fields its MAC covers and checks it."""
 
     expires_at: float  # time.time() after which the coordinates are refused
     mac: str  # HMAC-SHA256 (hex) over what the coordinates name, this expiry and prompt_digest

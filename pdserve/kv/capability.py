@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pdserve.auth import INSECURE_FLAG, AuthError, ReplayGuard, Signer, is_loopback, prompt_digest
-from pdserve.transfer.params import Capability, KVTransferParams, PullSource, PushSource, RemoteDecode
+from pdserve.kv.params import Capability, KVTransferParams, PullSource, PushSource, RemoteDecode
 
 PULL = "pull"
 PUSH = "push"
