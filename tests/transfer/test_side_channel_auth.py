@@ -171,21 +171,28 @@ def test_a_flood_of_idle_connections_never_locks_a_peer_out(
         side.close()
 
 
-def test_started_frames_are_not_evicted_and_a_full_server_refuses() -> None:
-    """Pending connections that sent part of a frame keep their slots until the deadline; past them a new
-    connection is refused (counted), not served by closing a peer that is talking."""
+@pytest.mark.parametrize("source", ["127.0.0.2", "127.0.0.1"], ids=["stranger-address", "the-peer's-address"])
+def test_half_sent_frames_never_lock_a_peer_out(source: str) -> None:
+    """Pending connections that each sent part of a frame (and would hold their slots until the first-frame
+    deadline) fill every pending slot: a peer's new connection still gets in, the oldest of them giving way."""
     side = small_server(pending=3, per_source=3)
+    client = SideChannel("127.0.0.1", 0, SECRET)
+    client.start(answer)
+    talking: list[socket.socket] = []
     try:
-        talking = [socket.create_connection(("127.0.0.1", side.port), timeout=5) for _ in range(3)]
-        for s in talking:
-            s.sendall(b"\x00\x00")
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", side.port), timeout=5, source_address=(source, 0))
+            s.sendall(b"\x00\x00")  # half a length prefix
+            talking.append(s)
         time.sleep(0.2)
-        extra = socket.create_connection(("127.0.0.1", side.port), timeout=5)
-        assert wait_closed(extra)
-        assert side.refusal_counts()["full"] == 1
-        for s in (*talking, extra):
-            s.close()
+        assert side.admission.num_pending == 3
+        assert ask(client, side.port) == (SECRET_PONG, None)
+        assert wait_closed(talking[0])  # the oldest half-sent one was closed for the peer's connection
+        assert side.refusal_counts().get("evicted") == 1 and "full" not in side.refusal_counts()
     finally:
+        for s in talking:
+            s.close()
+        client.close()
         side.close()
 
 

@@ -165,9 +165,6 @@ class SideChannel:
         source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         assert isinstance(reader, _Reader)
         slot = self.admission.open(source, writer.close, lambda: _has_data(reader, writer))
-        if slot is None:
-            writer.close()
-            return
         try:
             try:
                 frame = await asyncio.wait_for(read_frame(reader), FIRST_FRAME_TIMEOUT_S)

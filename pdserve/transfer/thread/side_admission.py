@@ -4,11 +4,12 @@ A connection is *pending* from its accept until its first complete frame, then *
 valid request: with a deployment secret one that proves the secret, without one any well-formed frame. The two
 kinds never compete for the same slots, so strangers cannot hold the slots peers need:
 - pending: at most MAX_PENDING at once and MAX_PENDING_PER_SOURCE per source address, each closed unless its
-  first frame is complete within FIRST_FRAME_TIMEOUT_S. A new connection is not refused for want of a pending
-  slot while an older pending one has sent nothing: the oldest silent one of the same source (past the
-  per-source limit) or of the source holding the most (past the total) is closed instead ("evicted"). A flood
-  of idle connections so uses up only its own source's share, and a peer's fresh connection, which sends its
-  frame at once, gets in even from the flood's own address.
+  first frame is complete within FIRST_FRAME_TIMEOUT_S. A new connection is never refused for want of a
+  pending slot: the oldest pending one of the same source (past the per-source limit) or of the source holding
+  the most (past the total) is closed instead ("evicted"), a silent one before one that sent part of a frame.
+  A peer sends its whole first frame within milliseconds of connecting, so the oldest pending connection is the
+  one least likely to be a peer's; a flood of idle or half-sent connections so uses up only its own source's
+  share, and a peer's fresh connection gets in even from the flood's own address.
 - admitted: at most MAX_ADMITTED; one more closes the admitted connection waiting longest for its next frame,
   or is refused ("full") when every one is answering. With a secret only holders of the secret get here. A peer
   keeps its connection open between requests (handshake.py's client pool), so its liveness pings travel on a
@@ -38,7 +39,7 @@ LOG_INTERVAL_S = 10.0  # at most one refusal summary line this often
 
 # refusal reasons (the `reason` label of pdserve_side_channel_refused_total)
 EVICTED = "evicted"  # pending and silent, closed to make room for a newer connection
-FULL = "full"  # no slot, nothing to close for it
+FULL = "full"  # every admitted connection is answering a frame
 FIRST_FRAME_TIMEOUT = "first_frame_timeout"  # no complete first frame in FIRST_FRAME_TIMEOUT_S
 UNAUTHENTICATED = "unauthenticated"  # a request that failed authentication (or a plain/sealed mismatch)
 MALFORMED = "malformed"  # a frame that is not a wire message
@@ -50,7 +51,7 @@ class Slot:
 
     source: str  # the peer's address (host part only)
     close: Callable[[], None]  # closes the connection (its serving task then ends and calls release)
-    has_data: Callable[[], bool]  # bytes of a frame arrived (not silent: never evicted while pending)
+    has_data: Callable[[], bool]  # bytes of a frame arrived (evicted after the silent ones)
     admitted: bool = False
     busy: bool = False  # admitted and answering a frame (never closed for another connection)
     idle_since: float = 0.0  # time.monotonic() an admitted connection last finished an answer
@@ -91,18 +92,13 @@ class Admission:
         """Refusals since start by reason (safe from any thread)."""
         return dict(self._refused)
 
-    def open(self, source: str, close: Callable[[], None], has_data: Callable[[], bool]) -> Slot | None:
-        """A pending slot for a new connection from source, or None (refused, counted: the caller closes it)."""
+    def open(self, source: str, close: Callable[[], None], has_data: Callable[[], bool]) -> Slot:
+        """A pending slot for a new connection from source (an older pending one may be closed for it)."""
         mine = self._by_source.get(source, {})
         if len(mine) >= self.max_pending_per_source:
-            if not self._evict(mine):
-                self.refuse(FULL)
-                return None
+            self._evict(mine)
         elif len(self._pending) >= self.max_pending:
-            busiest = max(self._by_source.values(), key=len)
-            if not self._evict(busiest) and not self._evict(self._pending):
-                self.refuse(FULL)
-                return None
+            self._evict(max(self._by_source.values(), key=len))
         slot = Slot(source, close, has_data)
         self._pending[slot] = None
         self._by_source.setdefault(source, {})[slot] = None
@@ -144,15 +140,12 @@ class Admission:
             self._unlogged.clear()
             self._next_log = now + LOG_INTERVAL_S
 
-    def _evict(self, slots: dict[Slot, None]) -> bool:
-        """Close the oldest silent pending connection of slots; False if each has sent something."""
-        for slot in slots:
-            if not slot.has_data():
-                self._drop_pending(slot)
-                slot.close()
-                self.refuse(EVICTED)
-                return True
-        return False
+    def _evict(self, slots: dict[Slot, None]) -> None:
+        """Close the oldest silent pending connection of slots (not empty), or else the oldest of them."""
+        victim = next((slot for slot in slots if not slot.has_data()), next(iter(slots)))
+        self._drop_pending(victim)
+        victim.close()
+        self.refuse(EVICTED)
 
     def _drop_pending(self, slot: Slot) -> None:
         if slot in self._pending:
