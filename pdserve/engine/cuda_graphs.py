@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from pdserve.engine.scheduler_output import ScheduledChunk
-from pdserve.engine.step_plan import Chunk
+from pdserve.engine.tp.step_plan import Chunk
 from pdserve.model.decoder import Decoder
 from pdserve.model.paged import AttentionContext, DecodeBatch, cache_block_size
 

@@ -1,6 +1,6 @@
 """LLMEngine: the step loop that ties scheduler, worker and KV connector together (single thread).
 
-Starting the TP ranks, rank 0's model and KV cache is rank_zero.py; the bookkeeping other threads and repeated
+Starting the TP ranks, rank 0's model and KV cache is tp/rank_zero.py; the bookkeeping other threads and repeated
 calls read is timelines.py (GET /timeline) and released_pins.py (a repeated release).
 """
 
@@ -17,7 +17,6 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.client import EngineStats
 from pdserve.engine.kv_cache import kv_cache_spec
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.rank_zero import start_rank_zero
 from pdserve.engine.released_pins import ReleasedPins
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
@@ -25,8 +24,9 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.text import TextTracker
 from pdserve.engine.timelines import Timelines
-from pdserve.engine.tp_group import TPGroup, TPGroupError
-from pdserve.engine.tp_transfer import TPWorker
+from pdserve.engine.tp.group import TPGroup, TPGroupError
+from pdserve.engine.tp.rank_zero import start_rank_zero
+from pdserve.engine.tp.transfer import TPWorker
 from pdserve.kv.params import KVTransferParams, PullSource, PushSource, RemoteDecode
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
@@ -40,7 +40,8 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         started = start_rank_zero(config)  # the TP ranks, ready (joined in shutdown()), rank 0's model and cache
         self.ranks: TPGroup | None = started.ranks
-        loaded, kv_cache, device, self.num_blocks = started.loaded, started.kv_cache, started.device, started.num_blocks
+        loaded, kv_cache, device = started.compute.loaded, started.compute.kv_cache, started.compute.device
+        self.num_blocks = started.compute.num_blocks
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len

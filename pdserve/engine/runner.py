@@ -3,8 +3,8 @@
 The engine drives it through one call, execute(chunks) -> sampled tokens. The KV connector's worker half is
 the engine's, not this class's: the engine registers the same cache tensor with it.
 
-Tensor parallelism: on rank 0 `ranks` (engine/tp_group.py) is the group of the other ranks; execute() sends
-them the step's plan (engine/step_plan.py) before running forward() on the same chunks, and every rank's
+Tensor parallelism: on rank 0 `ranks` (engine/tp/group.py) is the group of the other ranks; execute() sends
+them the step's plan (engine/tp/step_plan.py) before running forward() on the same chunks, and every rank's
 forward() runs the same collectives. Rank 0 alone samples. Any failure of a tensor-parallel step is a
 TPGroupError: the ranks may no longer be in step, so the group is unusable from then on.
 
@@ -22,21 +22,35 @@ the same graph or every rank runs eagerly; both paths go through step_logits().
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler_output import ScheduledChunk
-from pdserve.engine.step_plan import Chunk, plan_of
+from pdserve.engine.tp.step_plan import Chunk, StepPlan, plan_of
 from pdserve.model import cpu_attention
 from pdserve.model.decoder import Decoder
 from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, cache_block_size
 
 if TYPE_CHECKING:
     from pdserve.engine.cuda_graphs import DecodeGraphs
-    from pdserve.engine.tp_group import TPGroup
+
+T = TypeVar("T")
+
+
+class StepRanks(Protocol):
+    """What rank 0's runner needs of the other tensor-parallel ranks (engine/tp/group.py's TPGroup); named here
+    so that the runner, which every rank runs, does not import the group that spawns the ranks."""
+
+    def run_step(self, plan: StepPlan, forward: Callable[[Sequence[Chunk]], T]) -> T:
+        """Send `plan` to every rank, then run rank 0's `forward` on its chunks; TPGroupError on any failure."""
+        ...
+
+    def check(self) -> None:
+        """Raise TPGroupError if the group broke during the step."""
+        ...
 
 
 class ModelRunner:
@@ -46,7 +60,7 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         device: torch.device,
         use_cuda_graphs: bool = True,
-        ranks: TPGroup | None = None,  # rank 0 of a tensor-parallel instance: the other ranks
+        ranks: StepRanks | None = None,  # rank 0 of a tensor-parallel instance: the other ranks
         max_model_len: int | None = None,  # longest sequence served (sizes the graphs' block tables)
     ) -> None:
         self.decoder = decoder

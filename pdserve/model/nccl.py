@@ -8,7 +8,7 @@ PY_SSIZE_T_CLEAN), so this binds libnccl (already loaded by torch's CUDA build) 
 An ncclAllReduce here is a kernel launch on the current stream: a graph captures it like any other kernel.
 
 No watchdog and no timeout of its own: a rank that dies mid-collective leaves the others inside the kernel
-until TPGroup's rank-exit watch (engine/tp_group.py) sees the death and calls abort().
+until TPGroup's rank-exit watch (engine/tp/group.py) sees the death and calls abort().
 """
 
 from __future__ import annotations

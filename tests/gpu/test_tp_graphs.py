@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.tp_group import TPGroupError
+from pdserve.engine.tp.group import TPGroupError
 
 pytestmark = [
     pytest.mark.gpu,

@@ -26,8 +26,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig, TransferConfig
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.step_plan import SHUTDOWN, PlanChunk, PlanError, PlanKind, StepPlan, decode, encode
-from pdserve.engine.tp_group import TPGroupError
+from pdserve.engine.tp.group import TPGroupError
+from pdserve.engine.tp.step_plan import SHUTDOWN, PlanChunk, PlanError, PlanKind, StepPlan, decode, encode
 from pdserve.kv.groups import STALE, KVGroups
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import load_model, model_arch

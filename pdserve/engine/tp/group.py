@@ -3,7 +3,7 @@
 Owned by LLMEngine. Life cycle, in this order (every wait has a deadline, and a rank process that exits
 ends the wait at once):
   TPGroup(config)      opens rank 0's rendezvous store (a TCPStore on a port the kernel picks), then
-                       spawns ranks 1..N-1 (multiprocessing spawn, engine/tp_rank.py), one pipe each;
+                       spawns ranks 1..N-1 (multiprocessing spawn, rank.py), one pipe each;
   connect()            waits for every rank's hello, then joins the process group as rank 0 (gloo on the
                        CPU, NCCL on CUDA) -> the collectives rank 0's decoder uses; starts the watch
                        thread ("pdserve-tp-watch", joined in shutdown()): the moment a rank process
@@ -14,7 +14,7 @@ ends the wait at once):
   shutdown()           sends SHUTDOWN, joins every rank (terminate, then kill, past the deadline), leaves
                        the process group. Always called (LLMEngine.shutdown, or a failed start in
                        rank_zero.start_rank_zero).
-Plans go over the pipes as explicit int64 words (engine/step_plan.py), never pickle; activations and
+Plans go over the pipes as explicit int64 words (step_plan.py), never pickle; activations and
 logits go through the process group. After any failed step the group is broken for good (the ranks may
 be out of step): every later step raises TPGroupError at once, and the engine reports itself unhealthy.
 """
@@ -34,8 +34,9 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig
-from pdserve.engine.step_plan import SHUTDOWN, Chunk, PlanKind, StepPlan, encode
-from pdserve.engine.tp_rank import RankSpec, decode_status, join_process_group, rank_device, run_rank
+from pdserve.engine.tp.bring_up import rank_device
+from pdserve.engine.tp.rank import RankSpec, decode_status, join_process_group, run_rank
+from pdserve.engine.tp.step_plan import SHUTDOWN, Chunk, PlanKind, StepPlan, encode
 from pdserve.model.parallel import NcclCollectives, ProcessGroupCollectives, collectives_for
 
 HELLO_TIMEOUT_S = 120.0  # a spawned rank imports torch (slow on a busy machine)

@@ -1,6 +1,6 @@
 """TPWorker: rank 0's ConnectorWorker for a tensor-parallel P/D instance (docs/architecture.md, "Tensor
 parallelism"). It wraps rank 0's own worker (its KV slice, NIXL agent, transfer thread, side channel) and the
-other ranks' workers, which run in the rank processes (engine/tp_rank.py): each StepMeta goes to rank 0's
+other ranks' workers, which run in the rank processes (rank.py): each StepMeta goes to rank 0's
 worker and, as bytes, to every rank over its pipe (TPGroup.send_transfer); each rank's results come back on
 TPGroup's reader thread and are merged by transfer/ranks.RankMerger, so the engine sees one result per
 request (base.py states the invariant). A rank that errors or exits breaks the group: poll_results raises
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.engine.tp_group import TPGroup, TPGroupError
+from pdserve.engine.tp.group import TPGroup, TPGroupError
 from pdserve.transfer.base import ConnectorWorker, KVCacheSpec, StepMeta, TransferResults, TransferStats
 from pdserve.transfer.ranks import RankMerger, add_stats, decode_results, encode_meta
 

@@ -1,12 +1,12 @@
 """A tensor-parallel rank other than 0: a spawned process that runs the model on its shard, step by step.
 
-Life cycle (rank 0's engine/tp_group.py drives it): say hello (torch imported), join the process group,
-load this rank's shard and allocate its KV cache slice, say ready (with its block count), build its model
-runner (on CUDA: capture decode graphs in step with rank 0, engine/runner.py), then run every STEP plan
-rank 0 sends until SHUTDOWN, rank 0's death, or an error. It ignores SIGINT (rank 0 decides when ranks stop)
-and leaves when rank 0's process is gone, so no rank outlives its engine: between steps its loop sees that;
-inside a step (a CUDA collective waiting for the dead rank 0 forever) its one thread, "pdserve-tp-parent",
-aborts the NCCL communicator and ends the process.
+Life cycle (rank 0's group.py drives it): say hello (torch imported), join the process group, load this
+rank's shard and allocate its KV cache slice (bring_up.py, as rank 0 does), say ready (with its block
+count), build its model runner (on CUDA: capture decode graphs in step with rank 0, engine/runner.py), then
+run every STEP plan rank 0 sends until SHUTDOWN, rank 0's death, or an error. It ignores SIGINT (rank 0
+decides when ranks stop) and leaves when rank 0's process is gone, so no rank outlives its engine: between
+steps its loop sees that; inside a step (a CUDA collective waiting for the dead rank 0 forever) its one
+thread, "pdserve-tp-parent", aborts the NCCL communicator and ends the process.
 
 Status messages to rank 0 are msgpack maps {"v": STATUS_VERSION, "type": "hello" | "ready" | "error", ...}.
 """
@@ -54,14 +54,6 @@ class RankSpec:
     @property
     def size(self) -> int:
         return self.config.parallel.tensor_parallel_size
-
-
-def rank_device(device: str, rank: int) -> str:
-    """Rank `rank`'s torch device: the CPU for every rank, or the rank-th GPU counted from `device`'s."""
-    if not device.startswith("cuda"):
-        return device
-    base = int(device.split(":", 1)[1]) if ":" in device else 0
-    return f"cuda:{base + rank}"
 
 
 def backend_for(device: str) -> str:
@@ -125,28 +117,22 @@ def run_rank(spec: RankSpec, conn: Connection) -> None:
 def _serve(spec: RankSpec, conn: Connection) -> int:
     import torch
 
-    from pdserve.engine.kv_cache import allocate_kv_cache, num_blocks_for
     from pdserve.engine.runner import ModelRunner
-    from pdserve.engine.step_plan import PlanKind, decode
-    from pdserve.model.loader import TORCH_DTYPES, load_model
+    from pdserve.engine.tp.bring_up import bring_up_rank, device_of
+    from pdserve.engine.tp.step_plan import PlanKind, decode
     from pdserve.model.parallel import collectives_for
     from pdserve.transfer.ranks import decode_meta
 
     cfg = spec.config
-    device = rank_device(cfg.model.device, spec.rank)
+    device = device_of(cfg, spec.rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     conn.send_bytes(encode_status("hello"))
     join_process_group(device, spec.rank, spec.size, connect_store(spec.init_method, spec.size, COLLECTIVE_TIMEOUT_S))
     comm = collectives_for(device, spec.size, spec.rank)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid, comm), name="pdserve-tp-parent", daemon=True).start()
-    loaded = load_model(cfg.model, spec.size, spec.rank, comm, device)
-    dtype = TORCH_DTYPES[cfg.model.dtype]
-    num_kv_heads = loaded.decoder.shard.num_kv_heads
-    num_blocks = num_blocks_for(cfg.cache, loaded.arch, dtype, num_kv_heads)
-    kv_cache = allocate_kv_cache(
-        loaded.arch, num_blocks, cfg.cache.block_size, dtype, torch.device(device), num_kv_heads
-    )
+    compute = bring_up_rank(cfg, spec.rank, comm)
+    loaded, kv_cache, num_blocks = compute.loaded, compute.kv_cache, compute.num_blocks
     worker, side_port = _start_worker(spec, conn, kv_cache, loaded.name, loaded.arch.num_kv_heads,
                                       loaded.decoder.kv_groups)  # fmt: skip
     conn.send_bytes(encode_status("ready", num_blocks=num_blocks, side_port=side_port))
@@ -154,11 +140,7 @@ def _serve(spec: RankSpec, conn: Connection) -> int:
         # after "ready": rank 0 builds its runner once every rank is ready, and CUDA graph captures
         # (runner.py) run collectives that must meet rank 0's
         runner = ModelRunner(
-            loaded.decoder,
-            kv_cache,
-            torch.device(device),
-            not cfg.model.enforce_eager,
-            max_model_len=loaded.max_model_len,
+            loaded.decoder, kv_cache, compute.device, not cfg.model.enforce_eager, max_model_len=loaded.max_model_len
         )
         while True:
             data = _receive(conn, spec.parent_pid)
