@@ -25,15 +25,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from pdserve.bench.client import ClientConfig, RequestOutput  # noqa: E402
-from pdserve.bench.dataset import SampleRequest, random_requests  # noqa: E402
-from pdserve.bench.deploy import Deployment, ServerOptions  # noqa: E402
-from pdserve.bench.metrics import calculate_metrics, parse_goodput  # noqa: E402
-from pdserve.bench.procs import ManagedProcess  # noqa: E402
-from pdserve.bench.runner import LoadConfig, run_load  # noqa: E402
-from pdserve.bench.tokenizer import Vocab, load_vocab  # noqa: E402
+from pdserve.bench.client import ClientConfig, RequestOutput
+from pdserve.bench.dataset import SampleRequest, random_requests
+from pdserve.bench.deploy import Deployment, ServerOptions
+from pdserve.bench.metrics import calculate_metrics, parse_goodput
+from pdserve.bench.procs import ManagedProcess
+from pdserve.bench.runner import LoadConfig, run_load
+from pdserve.bench.tokenizer import Vocab, load_vocab
 
 MODEL = "smollm2-135m"
 
@@ -116,7 +114,7 @@ def main() -> int:
         help="a second SLO whose attainment is reported too (a busy 2-core machine misses the first)",
     )
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/pdserve-colocate-below"))
-    ap.add_argument("--out", type=Path, default=ROOT / "docs/results/cpu/colocate_below.json")
+    ap.add_argument("--out", type=Path, default=Path("docs/results/cpu/colocate_below.json"))
     args = ap.parse_args()
     thresholds = [None if t == "off" else int(t) for t in args.thresholds.split(",")]
     names = ["off" if t is None else str(t) for t in thresholds]

@@ -70,9 +70,11 @@ def main() -> None:
     from pdserve import LLM
 
     llm = LLM(args.model, enable_prefix_caching=False)
-    from pdserve.model.loader import _weights_folder
+    from pdserve.model.builtin import builtin_gguf_path, is_builtin
+    from pdserve.model.loader import gguf_to_folder
 
-    _, folder = _weights_folder(args.model)  # the same weights, as a Hugging Face folder
+    # the same weights, as a Hugging Face folder
+    folder = gguf_to_folder(builtin_gguf_path(args.model), args.model) if is_builtin(args.model) else args.model
     hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.vocab_size

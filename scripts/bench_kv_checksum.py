@@ -8,7 +8,7 @@ Usage: .venv/bin/python scripts/bench_kv_checksum.py [--model tiny] [--lengths 4
 Per mode, two 1P1D deployments + router (pdserve.bench.deploy), one with --kv-checksum on both instances, one
 without, all up for the whole run; requests alternate between them (off, on, off, on, ...) so both see the
 same load. Prompts are fresh random token ids (no prefix hits; D runs without a prefix cache). From the
-instances' own timelines (scripts/bench_pd_latency.py, derive): TTFT = P's arrival -> D's first token (server
+instances' own timelines (pdserve/bench/spans.py, derive): TTFT = P's arrival -> D's first token (server
 side, no HTTP or router), transfer = the READ/WRITE posted -> D has the KV (reported to its engine), which
 with the checksum includes P's sum
 (push: before its WRITE; pull: in the answer to D's release) and D's sum and comparison. "sum" times
@@ -32,13 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from pdserve.bench.deploy import Deployment, ServerOptions  # noqa: E402
-from scripts.bench_pd_latency import derive, one_request  # noqa: E402
+from pdserve.bench.deploy import Deployment, ServerOptions
+from pdserve.bench.spans import derive, median, one_request, run_header, timelines
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
@@ -74,17 +69,6 @@ def time_sum(cfg: dict[str, Any], length: int, dtype: str, device: str, block_si
     return 1000 * statistics.median(times[1:])
 
 
-def timelines(url: str) -> dict[str, dict[str, float]]:
-    """Each request's events, by the X-Request-Id the client sent (the server's own id otherwise)."""
-    entries = httpx.get(url + "/timeline", timeout=30, trust_env=False).json()
-    return {e.get("client_request_id") or e["request_id"]: e["events"] for e in entries}
-
-
-def median(rows: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) == r.get(key) and key in r]
-    return statistics.median(values) if values else None
-
-
 def table(summary: list[dict[str, Any]]) -> list[str]:
     head = "| mode | prompt tokens | TTFT off ms | TTFT on ms | TTFT +% | transfer off ms | transfer on ms | sum ms |"
     lines = [head, "|" + "---|" * 8]
@@ -118,7 +102,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory-gib", default="1")
     ap.add_argument("--extra", nargs="*", default=[], help="more `pdserve serve` flags for every instance")
     ap.add_argument("--log-dir", default="/tmp/pdserve-bench-kv-checksum")
-    ap.add_argument("--out", default=str(REPO / "docs/results/cpu/kv_checksum.json"))
+    ap.add_argument("--out", default="docs/results/cpu/kv_checksum.json")
     ap.add_argument("--render", metavar="JSON", help="only print the table of a saved result")
     args = ap.parse_args()
     if args.render:
@@ -190,16 +174,7 @@ def main() -> int:
     print("\n".join(lines))
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} cores)")
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "device": args.device,
-            "device_name": device_name,
-            "load_average_before": load_before,
-            "load_average_after": load_after,
-        },  # fmt: skip
+        **run_header(load_before, load_after, device=args.device, device_name=device_name),
         "options": {k: v for k, v in vars(args).items() if k not in ("out", "render")},
         "model_config": cfg,
         "summary": summary,

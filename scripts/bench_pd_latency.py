@@ -25,94 +25,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from pdserve.bench.deploy import Deployment, ServerOptions  # noqa: E402
+from pdserve.bench.deploy import Deployment, ServerOptions
+from pdserve.bench.scrape import scrape_metrics
+from pdserve.bench.spans import SPANS, derive, median, one_request, run_header, timelines
 
 MODES = ("pull", "push")
-SPANS = (
-    "prefill_ms",
-    "prefill_end_to_kv_received_ms",
-    "prefill_end_to_d_scheduled_ms",
-    "kv_received_to_d_scheduled_ms",
-    "transfer_ms",
-    "d_arrival_after_prefill_end_ms",
-    "prefill_end_to_transfer_posted_ms",
-    "transfer_posted_to_kv_received_ms",
-)
-
-
-def scrape(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def hook_counters(url: str) -> tuple[float, float]:
-    m = scrape(url)
+    m = scrape_metrics(url)
     return m["pdserve_engine_transfer_hook_seconds_total"], m["pdserve_engine_steps_total"]
-
-
-def one_request(router: str, prompt: list[int], max_tokens: int, request_id: str) -> dict[str, float]:
-    """A streamed completion through the router; client-side TTFT and latency in seconds."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    started = time.perf_counter()
-    ttft = None
-    with httpx.stream(
-        "POST", router + "/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=600
-    ) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{request_id}: HTTP {resp.status_code}: {resp.read().decode()[:500]}")
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and ttft is None and line != "data: [DONE]":
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if choices[0].get("text") is not None:
-                    ttft = time.perf_counter() - started
-    return {"ttft_s": ttft if ttft is not None else float("nan"), "latency_s": time.perf_counter() - started}
-
-
-def timelines(url: str) -> dict[str, dict[str, float]]:
-    return {e["request_id"]: e["events"] for e in httpx.get(url + "/timeline", timeout=30).json()}
-
-
-def derive(p: dict[str, float], d: dict[str, float]) -> dict[str, float]:
-    """Per-request spans in ms from P's and D's events (see the module docstring)."""
-    ms = lambda a, b: 1000.0 * (b - a)  # noqa: E731
-    out = {
-        "prefill_ms": ms(p["prefill_start"], p["first_token"]),
-        "prefill_end_to_kv_received_ms": ms(p["first_token"], d["kv_received"]),
-        "prefill_end_to_d_scheduled_ms": ms(p["first_token"], d["scheduled"]),
-        "kv_received_to_d_scheduled_ms": ms(d["kv_received"], d["scheduled"]),
-        "d_first_token_after_kv_ms": ms(d["kv_received"], d["first_token"]),
-        "server_ttft_ms": ms(p["arrival"], d["first_token"]),
-    }
-    posted, done = (p, p) if "transfer_posted" in p else (d, d)
-    if "transfer_posted" in posted and "transfer_done" in done:
-        out["transfer_ms"] = ms(posted["transfer_posted"], done["transfer_done"])
-        out["prefill_end_to_transfer_posted_ms"] = ms(p["first_token"], posted["transfer_posted"])
-        out["transfer_posted_to_kv_received_ms"] = ms(posted["transfer_posted"], d["kv_received"])
-    out["d_arrival_after_prefill_end_ms"] = ms(p["first_token"], d["arrival"])  # < 0 in push: D was there first
-    return out
-
-
-def median(rows: list[dict[str, float]], key: str) -> float | None:
-    values = [r[key] for r in rows if key in r and r[key] == r[key]]
-    return statistics.median(values) if values else None
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -190,7 +119,7 @@ def main() -> int:
     ap.add_argument("--vocab-low", type=int, default=1000, help="random prompt ids are drawn from [low, high)")
     ap.add_argument("--vocab-high", type=int, default=40000)
     ap.add_argument("--log-dir", default="/tmp/pdserve-bench-pd-latency")
-    ap.add_argument("--out", default=str(REPO / "docs/results/cpu/pd_latency.json"))
+    ap.add_argument("--out", default="docs/results/cpu/pd_latency.json")
     ap.add_argument("--render", metavar="JSON", help="only print the table of a saved result")
     args = ap.parse_args()
     if args.render:
@@ -271,14 +200,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": load_after,
-        },
+        **run_header(load_before, load_after),
         "options": {k: v for k, v in vars(args).items() if k not in ("out", "render")},
         "summary": summary,
         "ratios": ratios,

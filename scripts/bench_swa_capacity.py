@@ -5,7 +5,7 @@ no model (CPU, seconds).
 Capacity = requests added one at a time, each stepped until it decodes, before the next one no longer fits
 (a preemption, or it cannot be admitted). Prints a table and writes JSON.
 
-    PYTHONPATH=. python scripts/bench_swa_capacity.py --presets gemma3-12b gemma3-27b --input-lens 4096 16384 \
+    .venv/bin/python scripts/bench_swa_capacity.py --presets gemma3-12b gemma3-27b --input-lens 4096 16384 \
         --kv-gib 40 --out swa_capacity.json
 """
 

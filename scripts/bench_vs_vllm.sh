@@ -22,7 +22,6 @@ PORT_VL=${PORT_VL:-8312}
 NAME=smollm2-135m
 VPY=$R/venv/bin/python
 PY=${PY:-.venv/bin/python}  # pdserve's interpreter (a worktree without its own venv: PY=/path/to/.venv/bin/python)
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's pdserve, whatever the venv has installed
 VCLI=$PWD/scripts/vllm_peer/vllm_cli.py  # the repo's wrapper (the peer venv's `vllm` script cannot find its own version)
 mkdir -p "$OUT"
 PID=

@@ -32,10 +32,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from pdserve.auth import new_secret  # noqa: E402
-from pdserve.bench.procs import ManagedProcess, free_ports  # noqa: E402
+from pdserve.auth import new_secret
+from pdserve.bench.procs import ManagedProcess, free_ports
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: scripts/vllm_peer/, docs/results/
 
 MODEL = "smollm2-135m"  # the name every server answers to
 VOCAB = 49152  # SmolLM2
@@ -241,7 +241,6 @@ def main() -> int:
         print(f"no vLLM peer in {peer}: run scripts/vllm_peer/setup.sh (make interop does)", file=sys.stderr)
         return 2
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds the ExitStack: servers stopped
     prompts = make_prompts(args.seed)
     results = []
