@@ -37,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 from pdserve.engine.block_pool import BlockPool, hash_block  # noqa: E402
 from pdserve.kv.decode import decode  # noqa: E402
+from pdserve.kv.geometry import CacheGeometry  # noqa: E402
 from pdserve.kv.params import encode  # noqa: E402
-from pdserve.transfer.layout import BlockLayout, descriptors, token_segments  # noqa: E402
+from pdserve.transfer.base import KVCacheSpec  # noqa: E402
+from pdserve.transfer.layout import descriptors, token_segments  # noqa: E402
 
 BUILTIN = (30, 3, 64, "float32")  # layers, kv heads, head dim, dtype of the built-in model (SmolLM2-135M)
 
@@ -135,8 +137,8 @@ def _child(conn: Any, gpu: int, role: str, mode: str, dims: tuple, block_size: i
     cfg = TransferConfig(role=role, mode=mode, side_channel_port=0, engine_id=f"{role}-{os.getpid()}")
     sched, worker = make_connectors(cfg, block_size)
     memory, dev_id = ("VRAM", 0) if gpu >= 0 else ("DRAM", 0)
-    spec = KVCacheSpec(kv.data_ptr(), layers, num_blocks, block_size, heads, head_dim, kv.element_size(), memory,
-                       dev_id, "bench", dtype_name)  # fmt: skip
+    geometry = CacheGeometry.of((), layers, heads, head_dim, kv.element_size(), block_size, num_blocks)
+    spec = KVCacheSpec(geometry, kv.data_ptr(), memory, dev_id, "bench", dtype_name)
     worker.register_kv_cache(kv, spec)
     worker.start(lambda: None)
     results: dict[str, list] = {"finished_recvs": [], "failed_recvs": [], "finished_sends": [], "events": []}
@@ -257,7 +259,8 @@ def main() -> None:
     need = -(-a.tokens // a.block_size)
     a.pool_blocks = a.pool_blocks or 4 * need
     elem = 4 if dims[3] == "float32" else 2
-    layout = BlockLayout(0, dims[0], a.pool_blocks, a.block_size, dims[1] * dims[2] * elem)
+    geometry = CacheGeometry.of((), dims[0], dims[1], dims[2], elem, a.block_size, a.pool_blocks)
+    layout = KVCacheSpec(geometry, 0, "DRAM", 0, "bench", dims[3])
     kinds = a.kinds.split(",")
     # block ids per (kind, repeat): P's and D's pools churn with different seeds
     ids = {k: [(block_ids(k, a, need, 2 * i), block_ids(k, a, need, 2 * i + 1)) for i in range(a.repeat + 1)]
@@ -273,14 +276,14 @@ def main() -> None:
             for kind in kinds:
                 times, descs, alloc_ms, p_runs = [], [], [], []
                 for i, ((pb, p_ms), (db, d_ms)) in enumerate(ids[kind][1:]):
-                    segs = token_segments(layout, db, layout, pb, 0, a.tokens)
+                    segs = token_segments(geometry, db, geometry, pb, 0, a.tokens)
                     descs.append(len(descriptors(layout, layout, segs)[0]))
                     alloc_ms.append(max(p_ms, d_ms))
                     p_runs.append(runs(pb))
                     times.append(move(mode, p, d, f"{mode}-{kind}-{i}", pb, db, a.tokens))
                     if i == 0:
                         assert p.call("block_sums", pb) == d.call("block_sums", db), f"{mode} {kind}: bytes differ"
-                nbytes = a.tokens * layout.num_regions * layout.token_bytes
+                nbytes = a.tokens * geometry.num_regions * geometry.token_bytes
                 med = statistics.median(times)
                 rows.append({"mode": mode, "blocks": kind, "tokens": a.tokens, "bytes": nbytes,
                              "descriptors": int(statistics.median(descs)), "p_runs": int(statistics.median(p_runs)),

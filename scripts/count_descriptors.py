@@ -22,10 +22,13 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, when pdserve is not installed
 
+from pdserve.kv.geometry import CacheGeometry  # noqa: E402
 from pdserve.transfer import layout as new_layout  # noqa: E402
+from pdserve.transfer.base import KVCacheSpec  # noqa: E402
 from pdserve.transfer.heads import rank_heads, sources  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, ELEM, BLOCK = 64, 8, 128, 2, 16  # Qwen3-32B, bf16
@@ -37,10 +40,19 @@ def baseline_layout(rev: str) -> types.ModuleType:
     root = Path(__file__).resolve().parents[1]
     src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:pdserve/transfer/layout.py"], check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
+    src = src.replace("pdserve.model.kv_groups", "pdserve.kv.groups")  # moved since (issue 27)
     mod = types.ModuleType(f"layout_{rev}")
     sys.modules[mod.__name__] = mod  # dataclasses look their module up
     exec(compile(src, f"{rev}:pdserve/transfer/layout.py", "exec"), mod.__dict__)
     return mod
+
+
+def cache(lay: types.ModuleType, base: int, heads: int) -> Any:
+    """One rank's cache in `lay`'s terms: a BlockLayout (an older layout.py) or a KVCacheSpec (this tree's)."""
+    if hasattr(lay, "BlockLayout"):
+        return lay.BlockLayout(base, LAYERS, 1 << 16, BLOCK, heads * HEAD_DIM * ELEM, 0, heads)
+    geometry = CacheGeometry.of((), LAYERS, heads, HEAD_DIM, ELEM, BLOCK, 1 << 16)
+    return KVCacheSpec(geometry, base, "DRAM", 0, "m", "bfloat16")
 
 
 def count(lay: types.ModuleType, p_tp: int, d_tp: int, tokens: int, ids: Callable[[int, int], list[int]]) -> dict:
@@ -50,15 +62,16 @@ def count(lay: types.ModuleType, p_tp: int, d_tp: int, tokens: int, ids: Callabl
     total, largest, nbytes, seconds = 0, 0, 0, 0.0
     for d_rank in range(d_tp):
         _, d_heads = rank_heads(KV_HEADS, d_tp, d_rank)
-        local = lay.BlockLayout(1 << 40, LAYERS, 1 << 16, BLOCK, d_heads * HEAD_DIM * ELEM, 0, d_heads)
+        local = cache(lay, 1 << 40, d_heads)
         d_ids = ids(nblk, 2 * d_rank + 1)
         for s in sources(KV_HEADS, p_tp, d_tp, d_rank):
             _, p_heads = rank_heads(KV_HEADS, p_tp, s.producer_rank)
-            remote = lay.BlockLayout(1 << 41, LAYERS, 1 << 16, BLOCK, p_heads * HEAD_DIM * ELEM, 0, p_heads)
+            remote = cache(lay, 1 << 41, p_heads)
+            lg, rg = (local, remote) if hasattr(lay, "BlockLayout") else (local.geometry, remote.geometry)
             started = time.perf_counter()
-            segs = lay.group_segments(local, [d_ids], remote, [ids(nblk, 2 * s.producer_rank)], [None], 0, moved)
+            segs = lay.group_segments(lg, [d_ids], rg, [ids(nblk, 2 * s.producer_rank)], [None], 0, moved)
             if hasattr(lay, "pad_last_blocks"):
-                segs = lay.pad_last_blocks(local, remote, segs)
+                segs = lay.pad_last_blocks(lg, rg, segs)
             lo, _ = lay.descriptors(local, remote, segs, lay.Heads(s.consumer_offset, s.producer_offset, s.num_heads))
             seconds += time.perf_counter() - started
             total, largest, nbytes = total + len(lo), max(largest, len(lo)), nbytes + int(lo[:, 1].sum())

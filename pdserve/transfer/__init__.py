@@ -5,7 +5,10 @@ contract is base.py; kv_transfer_params, capabilities and KV groups are pdserve.
 imports the engine, the server or the model.
 
 Files, laid out by thread. Shared and pure (no torch, numpy or nixl):
-  base.py            the contract: KVCacheSpec, RecvTask, SendTask, StepMeta, TransferResults, the two ABCs
+  base.py            the contract: KVCacheSpec (kv.geometry's CacheGeometry + where the cache is + whose),
+                     RecvTask, SendTask, StepMeta, TransferResults, the two ABCs
+  layout.py          block ids + token range -> merged byte regions of two caches (each a CacheGeometry and a
+                     base address), block-size translation, head slices (pure math)
   wire.py            the wire codec (WIRE_VERSION, encode/decode, field checks) and the side channel's frames;
                      wire_notifs.py: the NIXL notifications (pull release/ack, push register/done/cancel/fail);
                      wire_compat.py: whether two handshakes can exchange KV (compatibility hash, refusal)
@@ -35,8 +38,7 @@ thread/ — the transfer thread (and the side-channel thread):
                      secret, Sealed frames (HMAC both ways) and a Refused that reveals nothing
   peers.py           handshake cache per address, loaded remote agents, liveness probes
   results.py         thread-safe hand-back of results, events and counters to the engine
-Kept at the top for now (being reworked for a block-major cache):
-  layout.py          block ids + token range -> merged byte regions, block-size translation, head slices (pure math)
+Kept at the top (torch, not the transfer thread's own):
   staging.py         kv_buffer_device "cpu": a pinned host mirror NIXL moves instead of a CUDA cache, block-id
                      copies on a dedicated stream (P: before D can read / before the WRITE; D: before finished)
 

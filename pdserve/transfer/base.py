@@ -27,61 +27,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.kv.groups import STALE, KVGroups
+from pdserve.kv.geometry import CacheGeometry
+from pdserve.kv.groups import STALE
 from pdserve.kv.params import KVAnswer, KVTransferParams, PullSource, PushSource
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of the registered KV cache: one contiguous, block-major buffer laid out as
-    [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim] (2 = K then V): one block's K and V of
-    every layer are one contiguous byte range, and so is one head range of one (block, layer, K/V) (layout.py)."""
+    """The registered KV cache: its geometry (kv/geometry.py: one contiguous, block-major buffer, whose sizes and
+    byte offsets the geometry owns), where it is, and whose it is."""
 
+    geometry: CacheGeometry  # blocks, layers per block, heads (this rank's and the model's), sizes, KV groups
+    # where
     base_addr: int  # address of element 0 (host or device pointer)
-    num_layers: int
-    num_blocks: int
-    block_size: int  # tokens per block
-    num_kv_heads: int  # heads held by this rank
-    head_dim: int
-    elem_size: int  # bytes per element
     memory: str  # "DRAM" or "VRAM", as NIXL names it
     device_id: int  # GPU index for VRAM, 0 for DRAM
+    # who
     model_name: str  # for the compatibility hash
     dtype: str  # "float32" | "bfloat16" | "float16"
     tp_rank: int = 0  # this rank
     tp_size: int = 1  # ranks of the instance
-    total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, one rank holds them all)
     rank_ports: tuple[int, ...] = ()  # rank 0: every rank's side-channel port (announced in its handshake)
-    # the model's KV layer groups (kv/groups.py; num_layers = layers per block); None: one full group
-    kv_groups: KVGroups | None = None
-
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        """Each KV group's window (None: whole context); one full-attention group when kv_groups is None."""
-        return self.kv_groups.windows if self.kv_groups is not None else (None,)
-
-    @property
-    def model_kv_heads(self) -> int:
-        return self.total_kv_heads or self.num_kv_heads
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of one token's K (or V) in one layer."""
-        return self.num_kv_heads * self.head_dim * self.elem_size
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block's K (or V) in one layer."""
-        return self.block_size * self.token_bytes
-
-    @property
-    def block_stride(self) -> int:
-        """Bytes of one block across every layer and K/V: the distance between consecutive blocks."""
-        return self.num_layers * 2 * self.block_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.block_stride
 
 
 @dataclass(frozen=True)

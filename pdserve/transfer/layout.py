@@ -1,15 +1,14 @@
 """Layout math: block ids and a token range -> byte regions of two KV caches (pure math, no torch, no NIXL).
 
-Both caches are block-major with heads before tokens inside a block (engine/kv_cache.py):
-[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]. One block's K and V of every layer are one
-contiguous range of block_stride = num_regions * region_bytes bytes, where a *region* is one (layer, K/V) pair
-(num_regions = 2 * num_layers) and region_bytes = num_heads * head_block_bytes, head_block_bytes = block_size *
-head_bytes (one head's rows of one region). Token t, head h of a request lives, in region r, at
-    base_addr + block_ids[t // block_size] * block_stride + r * region_bytes + h * head_block_bytes
-              + (t % block_size) * head_bytes.
+Both caches are block-major with heads before tokens inside a block (engine/kv_cache.py), and each side is
+described by its CacheGeometry (kv/geometry.py, which owns the sizes) and its base address (a KVCacheSpec here,
+a PeerInfo for the peer: `Placed`). One block's K and V of every layer are one contiguous range of block_bytes =
+num_regions * region_bytes, where a *region* is one (layer, K/V) pair. Token t, head h of a request lives, in
+region r, at
+    base_addr + geometry.offset(block_ids[t // block_size], r, h, t % block_size).
 A transfer of tokens [start, start + n) is cut at every block boundary of *both* sides (so P and D may use
 different block sizes) into segments, each inside one local and one remote block. Descriptors per segment:
-- a whole block on both sides, every head of both sides: one descriptor of block_stride bytes (every layer);
+- a whole block on both sides, every head of both sides: one descriptor of block_bytes (every layer);
 - a whole block on both sides, a head slice (heads.py: tensor-parallel ranks of different sizes): one per
   region, heads [h0, h0 + num) x block_size x head_dim being contiguous;
 - any other segment (a partial block: P and D block sizes differ, a window's start, an unpadded last block):
@@ -23,9 +22,9 @@ The prompt's last block is usually partial (D computes the last prompt token its
 it whole when that is safe (equal block sizes), keeping it one descriptor per (block, region) or less instead of
 one per (region, head); its docstring carries the argument.
 
-Sliding-window and hybrid models (kv/groups.py): a block holds num_layers = layers_per_block layers of one
-KV group, and each group has its own block table on each side. group_segments() cuts every group's range
-(group_ranges: a windowed group moves only the blocks of the window its next query reads) with its own tables;
+Sliding-window and hybrid models (kv/groups.py): a block holds layers_per_block layers of one KV group,
+and each group has its own block table on each side. group_segments() cuts every group's range (group_ranges:
+a windowed group moves only the blocks of the window its next query reads) with its own tables;
 STALE (-1) entries lie before that range and are never addressed.
 """
 
@@ -33,58 +32,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from pdserve.kv.geometry import CacheGeometry
 from pdserve.kv.groups import STALE, first_live_block
-from pdserve.transfer.base import KVCacheSpec
 
 
 class LayoutError(ValueError):
     """A transfer does not fit the blocks it names (bad block id, too few blocks, token-size mismatch)."""
 
 
-@dataclass(frozen=True)
-class BlockLayout:
-    """Where one instance's KV bytes are: enough to turn (block ids, tokens) into addresses."""
-
-    base_addr: int  # address of element 0 of the KV cache
-    num_layers: int
-    num_blocks: int
-    block_size: int  # tokens per block
-    token_bytes: int  # bytes of one token's K (or V) in one layer: num_heads * head_bytes
-    device_id: int = 0  # NIXL device id of the buffer (GPU index; 0 for DRAM)
-    num_heads: int = 1  # KV heads in this cache (a tensor-parallel rank's)
-
-    @classmethod
-    def from_spec(cls, spec: KVCacheSpec) -> BlockLayout:
-        return cls(spec.base_addr, spec.num_layers, spec.num_blocks, spec.block_size, spec.token_bytes, spec.device_id,
-                   spec.num_kv_heads)  # fmt: skip
+class Placed(Protocol):
+    """A KV cache somewhere: its geometry and where its element 0 is (KVCacheSpec here, wire.PeerInfo a peer's)."""
 
     @property
-    def head_bytes(self) -> int:
-        """Bytes of one head of one token's K (or V) in one layer."""
-        return self.token_bytes // self.num_heads
-
+    def geometry(self) -> CacheGeometry: ...
     @property
-    def head_block_bytes(self) -> int:
-        """Bytes of one head's block_size rows in one (layer, K/V) region: contiguous (heads before tokens)."""
-        return self.block_size * self.head_bytes
-
+    def base_addr(self) -> int: ...  # in the owner's process
     @property
-    def region_bytes(self) -> int:
-        """Bytes of one (layer, K/V) region of one block: num_heads x block_size x head_dim."""
-        return self.num_heads * self.head_block_bytes
-
-    @property
-    def block_stride(self) -> int:
-        """Bytes of one block (K and V of every layer), the distance between consecutive blocks."""
-        return self.num_regions * self.region_bytes
-
-    @property
-    def num_regions(self) -> int:
-        return 2 * self.num_layers
+    def device_id(self) -> int: ...  # NIXL device id of the buffer (GPU index; 0 for DRAM)
 
 
 class Segment(NamedTuple):
@@ -100,24 +68,24 @@ class Segment(NamedTuple):
 
 
 def check_blocks(
-    layout: BlockLayout, block_ids: Sequence[int], end_token: int, side: str, start_token: int = 0
+    geometry: CacheGeometry, block_ids: Sequence[int], end_token: int, side: str, start_token: int = 0
 ) -> None:
     """Raise LayoutError unless block_ids cover tokens [0, end_token) and those holding [start_token, end_token)
     are valid (a windowed group's STALE entries before start_token are never addressed)."""
-    need = -(-end_token // layout.block_size)
+    need = -(-end_token // geometry.block_size)
     if len(block_ids) < need:
         raise LayoutError(
-            f"{side} has {len(block_ids)} blocks of {layout.block_size} tokens, {need} needed for {end_token} tokens"
+            f"{side} has {len(block_ids)} blocks of {geometry.block_size} tokens, {need} needed for {end_token} tokens"
         )
-    for b in block_ids[start_token // layout.block_size : need]:
-        if not 0 <= b < layout.num_blocks:
-            raise LayoutError(f"{side} block id {b} is outside [0, {layout.num_blocks})")
+    for b in block_ids[start_token // geometry.block_size : need]:
+        if not 0 <= b < geometry.num_blocks:
+            raise LayoutError(f"{side} block id {b} is outside [0, {geometry.num_blocks})")
 
 
 def token_segments(
-    local: BlockLayout,
+    local: CacheGeometry,
     local_block_ids: Sequence[int],
-    remote: BlockLayout,
+    remote: CacheGeometry,
     remote_block_ids: Sequence[int],
     start_token: int,
     num_tokens: int,
@@ -158,9 +126,9 @@ def group_ranges(
 
 
 def group_segments(
-    local: BlockLayout,
+    local: CacheGeometry,
     local_tables: Sequence[Sequence[int]],
-    remote: BlockLayout,
+    remote: CacheGeometry,
     remote_tables: Sequence[Sequence[int]],
     windows: Sequence[int | None],
     start_token: int,
@@ -179,7 +147,7 @@ def group_segments(
     return segments
 
 
-def pad_last_blocks(local: BlockLayout, remote: BlockLayout, segments: list[Segment]) -> list[Segment]:
+def pad_last_blocks(local: CacheGeometry, remote: CacheGeometry, segments: list[Segment]) -> list[Segment]:
     """The segments with every one that starts a block on both sides extended to the whole block (equal block
     sizes only; otherwise unchanged): a partial last block is then one descriptor per region (a head slice) or
     part of its run of blocks (every head), not one per (region, head).
@@ -234,27 +202,28 @@ class Heads:
 
 
 def descriptors(
-    local: BlockLayout, remote: BlockLayout, segments: list[Segment], heads: Heads | None = None
+    local_cache: Placed, remote_cache: Placed, segments: list[Segment], heads: Heads | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """NIXL descriptor arrays for the segments: two [num_descs, 3] uint64 arrays of (address, length, device
     id), row i of one matching row i of the other. A whole block on both sides is one row (every head of both
     sides) or one row per region (a head slice); any other segment is one row per (region, head). Rows
     contiguous on both sides are merged. heads None: every head, which both sides must have alike."""
-    if local.num_layers != remote.num_layers:
-        raise LayoutError(f"layer count differs: local {local.num_layers}, remote {remote.num_layers}")
+    local, remote = local_cache.geometry, remote_cache.geometry
+    if local.layers_per_block != remote.layers_per_block:
+        raise LayoutError(f"layer count differs: local {local.layers_per_block}, remote {remote.layers_per_block}")
     if heads is None:
         if local.token_bytes != remote.token_bytes:
             raise LayoutError(f"token size differs: local {local.token_bytes} B, remote {remote.token_bytes} B")
-        heads = Heads(0, 0, local.num_heads)
+        heads = Heads(0, 0, local.num_kv_heads)
     if local.head_bytes != remote.head_bytes:
         raise LayoutError(f"head size differs: local {local.head_bytes} B, remote {remote.head_bytes} B")
-    for side, layout, h0 in (("local", local, heads.local), ("remote", remote, heads.remote)):
-        if not (heads.num >= 1 and 0 <= h0 and h0 + heads.num <= layout.num_heads):
-            raise LayoutError(f"{side} heads [{h0}, {h0 + heads.num}) outside its {layout.num_heads} heads")
+    for side, geometry, h0 in (("local", local, heads.local), ("remote", remote, heads.remote)):
+        if not (heads.num >= 1 and 0 <= h0 and h0 + heads.num <= geometry.num_kv_heads):
+            raise LayoutError(f"{side} heads [{h0}, {h0 + heads.num}) outside its {geometry.num_kv_heads} heads")
     if not segments:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()
-    every_head = heads.local == heads.remote == 0 and heads.num == local.num_heads == remote.num_heads
+    every_head = heads.local == heads.remote == 0 and heads.num == local.num_kv_heads == remote.num_kv_heads
     seg = np.array(
         [(s.local_block, s.local_row, s.remote_block, s.remote_row, s.num_tokens) for s in segments], dtype=np.int64
     )  # [num_segments, 5]
@@ -269,12 +238,12 @@ def descriptors(
     head = np.where(w, 0, k % heads.num)  # offset inside the slice (a whole block's row starts at its first head)
     hb = local.head_bytes
 
-    def addresses(layout: BlockLayout, blocks: np.ndarray, rows: np.ndarray, first_head: int) -> np.ndarray:
-        return (layout.base_addr + blocks[idx] * layout.block_stride + region * layout.region_bytes
-                + (first_head + head) * layout.head_block_bytes + rows[idx] * hb)  # fmt: skip
+    def addresses(cache: Placed, blocks: np.ndarray, rows: np.ndarray, first_head: int) -> np.ndarray:
+        return cache.base_addr + cache.geometry.offset(blocks[idx], region, first_head + head, rows[idx])
 
-    l_addr, r_addr = addresses(local, lb, lr, heads.local), addresses(remote, rb, rr, heads.remote)
-    whole_len = local.block_stride if every_head else heads.num * local.head_block_bytes
+    l_addr = addresses(local_cache, lb, lr, heads.local)
+    r_addr = addresses(remote_cache, rb, rr, heads.remote)
+    whole_len = local.block_bytes if every_head else heads.num * local.head_block_bytes
     lens = np.where(w, whole_len, n[idx] * hb)
     # a new descriptor starts where either side is not contiguous with the previous row
     starts = np.ones(len(lens), dtype=bool)
@@ -288,10 +257,10 @@ def descriptors(
         out[:, 0], out[:, 1], out[:, 2] = addr[first], merged_len, device_id
         return out
 
-    return table(l_addr, local.device_id), table(r_addr, remote.device_id)
+    return table(l_addr, local_cache.device_id), table(r_addr, remote_cache.device_id)
 
 
-def num_bytes(layout: BlockLayout, segments: list[Segment], heads: Heads | None = None) -> int:
+def num_bytes(geometry: CacheGeometry, segments: list[Segment], heads: Heads | None = None) -> int:
     """Bytes a transfer of these segments moves (all regions; of heads.num heads when a slice is given)."""
-    row = layout.token_bytes if heads is None else heads.num * layout.head_bytes
-    return layout.num_regions * row * sum(s.num_tokens for s in segments)
+    row = geometry.token_bytes if heads is None else heads.num * geometry.head_bytes
+    return geometry.num_regions * row * sum(s.num_tokens for s in segments)

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from pdserve.model.paged import cache_block_size
 from pdserve.transfer.base import KVCacheSpec
 from pdserve.transfer.faults import NO_FAULTS, Faults
 
@@ -47,12 +46,12 @@ def token_blocks(block_ids: Sequence[int], block_size: int, start: int, num_toke
 class Stager:
     """The mirror and the copies between it and the KV cache (thread-safe for disjoint blocks)."""
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
         self.kv = kv_cache
         self.device = kv_cache.device
         self.cuda = kv_cache.device.type == "cuda"
         self.mirror = torch.empty(kv_cache.shape, dtype=kv_cache.dtype, pin_memory=self.cuda)
-        self.block_size = cache_block_size(kv_cache)
+        self.block_size = spec.geometry.block_size  # tokens per block of the cache and its mirror
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._ready: Any = None  # push: the newest CUDA event recorded on the engine's stream by submit()
 
@@ -117,12 +116,12 @@ class Stager:
         self.stream.synchronize()
 
 
-def make_stager(kv_buffer_device: str, kv_cache: Any, faults: Faults = NO_FAULTS) -> Stager | None:
+def make_stager(kv_buffer_device: str, kv_cache: Any, spec: KVCacheSpec, faults: Faults = NO_FAULTS) -> Stager | None:
     """A Stager when transfers must go through host memory, else None (register the KV cache in place)."""
     if not isinstance(kv_cache, torch.Tensor):
         return None
     if faults.force_staging:
-        return Stager(kv_cache)
+        return Stager(kv_cache, spec)
     if kv_buffer_device == "cpu" and kv_cache.device.type == "cuda":
-        return Stager(kv_cache)
+        return Stager(kv_cache, spec)
     return None

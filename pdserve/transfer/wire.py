@@ -15,6 +15,8 @@ from typing import Any, get_type_hints
 
 import msgpack
 
+from pdserve.kv.geometry import CacheGeometry
+from pdserve.kv.groups import KVGroup, KVGroups
 from pdserve.transfer.wire_notifs import (
     PullRelease,
     PullReleaseAck,
@@ -40,7 +42,10 @@ from pdserve.transfer.wire_notifs import (
 #    partial last block is sent whole) (2026-12-01).
 # 9: --kv-checksum: PeerInfo.kv_checksum (in the compatibility hash), PushDone.checksum, PullRelease.checksum_heads
 #    / .checksum_ranges and PullReleaseAck.checksum (transfer/checksum.py) (2026-12-03).
-WIRE_VERSION = 9
+# 10: PeerInfo.geometry, the KV cache's geometry as one map (kv/geometry.py; elem_size in place of token_bytes),
+#     in place of its flat num_layers, num_kv_heads, total_kv_heads, head_dim, num_blocks, block_size,
+#     token_bytes, group_windows and group_layers (2026-12-03).
+WIRE_VERSION = 10
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 
@@ -57,30 +62,51 @@ class PeerInfo:
     agent_metadata: bytes  # nixl_agent.get_agent_metadata()
     model_name: str
     dtype: str
-    num_layers: int
-    num_kv_heads: int  # heads held by this rank
-    head_dim: int
     transfer_mode: str  # "pull" | "push"
     wire_version: int
+    geometry: CacheGeometry  # the KV cache's (this rank's heads, the model's, KV groups); encoded as one map
     base_addr: int  # KV cache address in the owner's process
-    num_blocks: int
-    block_size: int
-    token_bytes: int
     device_id: int
     memory: str  # "DRAM" | "VRAM"
     tp_rank: int
     tp_size: int
-    total_kv_heads: int  # the model's KV heads (num_kv_heads is this rank's share, heads.py)
     rank_ports: list[int]  # side-channel port of every rank, on this host (rank 0's handshake lists them all)
     compat_hash: str
     epoch: int  # this process's start (time.time_ns()): a restarted peer at the same address has another
-    group_windows: list[int]  # per KV group (kv/groups.py): its sliding window, 0 = the whole context
-    group_layers: list[list[int]]  # per KV group: its model layer indices (slot j of a block holds layers[j])
     kv_checksum: bool = False  # --kv-checksum: every transfer's KV is summed on both sides (transfer/checksum.py)
 
     @property
     def is_windowed(self) -> bool:
-        return any(w > 0 for w in self.group_windows)
+        return self.geometry.groups.is_windowed
+
+
+def encode_geometry(g: CacheGeometry) -> dict[str, Any]:
+    """The geometry's wire map: its sizes, and per KV group its window (0 = the whole context) and layers."""
+    return {
+        "num_blocks": g.num_blocks, "block_size": g.block_size, "num_kv_heads": g.num_kv_heads,
+        "total_kv_heads": g.total_kv_heads, "head_dim": g.head_dim, "elem_size": g.elem_size,
+        "group_windows": [w or 0 for w in g.windows], "group_layers": [list(grp.layers) for grp in g.groups.groups],
+    }  # fmt: skip
+
+
+def decode_geometry(v: Any) -> CacheGeometry:
+    """encode_geometry's inverse; WireError on a missing or mistyped field or groups of unequal sizes."""
+    if not isinstance(v, dict):
+        raise WireError("PeerInfo.geometry: expected a map")
+    sizes = ("num_blocks", "block_size", "num_kv_heads", "total_kv_heads", "head_dim", "elem_size")
+    for name in sizes:
+        if type(v.get(name)) is not int:
+            raise WireError(f"PeerInfo.geometry.{name}: expected int, got {type(v.get(name)).__name__}")
+    windows = _check(PeerInfo, "geometry.group_windows", v.get("group_windows"), list[int])
+    layers = _check(PeerInfo, "geometry.group_layers", v.get("group_layers"), list[list[int]])
+    if len(windows) != len(layers) or not layers or len({len(t) for t in layers}) != 1:
+        raise WireError(f"PeerInfo.geometry: bad KV groups (windows {windows}, layers {layers})")
+    groups = KVGroups(tuple(KVGroup(w or None, tuple(t)) for w, t in zip(windows, layers, strict=True)), len(layers[0]))
+    try:
+        return CacheGeometry(v["num_blocks"], v["block_size"], v["num_kv_heads"], v["total_kv_heads"], v["head_dim"],
+                             v["elem_size"], groups)  # fmt: skip
+    except ValueError as e:
+        raise WireError(f"PeerInfo.geometry: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -175,6 +201,8 @@ def _to_plain(msg: Any) -> dict[str, Any]:
 
 
 def _plain_value(v: Any) -> Any:
+    if isinstance(v, CacheGeometry):
+        return encode_geometry(v)
     return _to_plain(v) if dataclasses.is_dataclass(v) else v
 
 
@@ -195,6 +223,8 @@ def _check(cls: type, name: str, v: Any, hint: Any) -> Any:
         if not isinstance(v, list) or any(not isinstance(t, list) or any(type(x) is not int for x in t) for t in v):
             raise WireError(f"{cls.__name__}.{name}: expected a list of lists of int")
         return v
+    if hint == CacheGeometry:
+        return decode_geometry(v)
     if hint == PeerInfo or hint == PeerInfo | None:
         if v is None and hint != PeerInfo:
             return None

@@ -9,7 +9,6 @@ is a policy over PeerInfo, checked once per handshake on both sides (thread/work
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from typing import Any
 
@@ -25,6 +24,17 @@ COMPAT_FIELDS = (
 COMPAT_DEFAULTS = {"kv_checksum": False}  # fields a caller of compat_hash may leave out (PeerInfo's defaults)
 
 
+def compat_values(info: PeerInfo) -> dict[str, Any]:
+    """COMPAT_FIELDS of a handshake (the cache's from its geometry: num_layers = layers per block)."""
+    g = info.geometry
+    return {
+        "model_name": info.model_name, "dtype": info.dtype, "num_layers": g.layers_per_block,
+        "total_kv_heads": g.total_kv_heads, "head_dim": g.head_dim, "transfer_mode": info.transfer_mode,
+        "wire_version": info.wire_version, "group_windows": [w or 0 for w in g.windows],
+        "group_layers": [list(grp.layers) for grp in g.groups.groups], "kv_checksum": info.kv_checksum,
+    }  # fmt: skip
+
+
 def compat_hash(values: dict[str, Any]) -> str:
     """Hash over the fields two instances must agree on (COMPAT_FIELDS)."""
     values = {**COMPAT_DEFAULTS, **values}
@@ -35,11 +45,12 @@ def compat_hash(values: dict[str, Any]) -> str:
 def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = False) -> str | None:
     """None if the two can exchange KV, else an error naming both sides' values (for tensor-parallel sizes that
     cannot map, both sides' TP sizes and KV head counts, as heads.mapping_error words it)."""
-    if local.compat_hash == peer.compat_hash == compat_hash(dataclasses.asdict(peer)):
+    ours, peers = compat_values(local), compat_values(peer)
+    if local.compat_hash == peer.compat_hash == compat_hash(peers):
         return _mapping(local, peer, local_is_producer)  # any pair of block sizes (layout.group_ranges)
     diffs = []
     for name in COMPAT_FIELDS:
-        mine, theirs = getattr(local, name), getattr(peer, name)
+        mine, theirs = ours[name], peers[name]
         if mine == theirs:
             continue
         if name == "transfer_mode":
@@ -60,8 +71,7 @@ def incompatibility(local: PeerInfo, peer: PeerInfo, local_is_producer: bool = F
 def _groups(info: PeerInfo) -> str:
     """The KV group structure in words: window (or full) and layers per group."""
     parts = [
-        f"{f'window {w}' if w else 'full'} layers {layers}"
-        for w, layers in zip(info.group_windows, info.group_layers, strict=False)
+        f"{f'window {g.window}' if g.window else 'full'} layers {list(g.layers)}" for g in info.geometry.groups.groups
     ]
     return "[" + ", ".join(parts) + "]"
 
@@ -69,5 +79,5 @@ def _groups(info: PeerInfo) -> str:
 def _mapping(local: PeerInfo, peer: PeerInfo, local_is_producer: bool) -> str | None:
     """Whether the two instances' tensor-parallel sizes map (the model's heads are equal: the hash matched)."""
     p, d = (local, peer) if local_is_producer else (peer, local)
-    err = mapping_error(p.total_kv_heads, p.tp_size, d.total_kv_heads, d.tp_size)
+    err = mapping_error(p.geometry.total_kv_heads, p.tp_size, d.geometry.total_kv_heads, d.tp_size)
     return None if err is None else f"incompatible with peer engine {peer.engine_id!r}: {err}"

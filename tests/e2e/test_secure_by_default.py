@@ -28,6 +28,7 @@ import pytest
 from helpers import REPO_ROOT, Launcher, Proc, post, scrape_metrics, wait_idle
 
 from pdserve.auth import new_secret
+from pdserve.kv.geometry import CacheGeometry
 from pdserve.transfer import wire
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -274,10 +275,9 @@ def test_a_refused_handshake_reveals_nothing_without_a_secret(deployment: Deploy
         p = deployment.pairs[(mode, "open")].p
         fake = wire.PeerInfo(
             engine_id="intruder", agent_name="intruder-agent", agent_metadata=b"\x00" * 64, model_name="other",
-            dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, transfer_mode=mode,
-            wire_version=wire.WIRE_VERSION, base_addr=0, num_blocks=1, block_size=16, token_bytes=256, device_id=0,
-            memory="DRAM", tp_rank=0, tp_size=1, total_kv_heads=2, rank_ports=[], compat_hash="0", epoch=1,
-            group_windows=[0], group_layers=[[0, 1]],
+            dtype="float32", transfer_mode=mode, wire_version=wire.WIRE_VERSION,
+            geometry=CacheGeometry.of((), 2, 2, 16, 4, 16, 1), base_addr=0, device_id=0, memory="DRAM", tp_rank=0,
+            tp_size=1, rank_ports=[], compat_hash="0", epoch=1,
         )  # fmt: skip
         with socket.create_connection(("127.0.0.1", side_port(p)), timeout=10) as s:
             data = wire.encode(wire.HandshakeRequest(fake, True))
@@ -288,4 +288,4 @@ def test_a_refused_handshake_reveals_nothing_without_a_secret(deployment: Deploy
         assert "model_name" in reply.error  # the difference, named
         info = reply.peer  # only what lets the peer word the difference
         assert info is not None and info.agent_metadata == b"" and info.agent_name == "" and info.base_addr == 0
-        assert info.rank_ports == [] and info.num_blocks == 0 and info.epoch == 0
+        assert info.rank_ports == [] and info.geometry.num_blocks == 0 and info.epoch == 0

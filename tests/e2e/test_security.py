@@ -23,6 +23,7 @@ from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
 from pdserve.auth import Signer, new_secret
 from pdserve.kv.capability import PULL, pull_fields
 from pdserve.kv.decode import decode
+from pdserve.kv.geometry import CacheGeometry
 from pdserve.transfer import wire
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -183,10 +184,9 @@ def test_third_party_on_the_side_channel_learns_nothing(pairs: Pairs) -> None:
         info = post_get(proc.url + "/kv_transfer/info")
         fake = wire.PeerInfo(
             engine_id="intruder", agent_name="intruder-agent", agent_metadata=b"\x00" * 64, model_name="tiny",
-            dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, transfer_mode=info["transfer_mode"],
-            wire_version=wire.WIRE_VERSION, base_addr=0, num_blocks=1, block_size=16, token_bytes=256, device_id=0,
-            memory="DRAM", tp_rank=0, tp_size=1, total_kv_heads=2, rank_ports=[], compat_hash="0", epoch=1,
-            group_windows=[0], group_layers=[[0, 1]],
+            dtype="float32", transfer_mode=info["transfer_mode"], wire_version=wire.WIRE_VERSION,
+            geometry=CacheGeometry.of((), 2, 2, 16, 4, 16, 1), base_addr=0, device_id=0, memory="DRAM", tp_rank=0,
+            tp_size=1, rank_ports=[], compat_hash="0", epoch=1,
         )  # fmt: skip
         forged_seal = wire.Sealed("00" * 16, int(time.time() * 1000), "0" * 64, wire.encode(wire.Ping()))
         for msg in (wire.HandshakeRequest(fake, True), wire.Ping(), forged_seal):

@@ -80,13 +80,15 @@ def cpu_cost(seconds: float = 5.0) -> None:
     import torch
 
     from pdserve.config import TransferConfig
+    from pdserve.kv.geometry import CacheGeometry
     from pdserve.kv.params import RemoteDecode
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
 
     sched, worker = make_connectors(TransferConfig(role="prefill", mode="pull", side_channel_port=0, lease_s=100), 16)
     kv = torch.zeros(16, 2, 2, 2, 16, 4)  # [blocks, layers, 2, heads, block_size, head_dim]
-    worker.register_kv_cache(kv, KVCacheSpec(kv.data_ptr(), 2, 16, 16, 2, 4, 4, "DRAM", 0, "m", "float32"))
+    geometry = CacheGeometry.of((), 2, 2, 4, 4, 16, 16)
+    worker.register_kv_cache(kv, KVCacheSpec(geometry, kv.data_ptr(), "DRAM", 0, "m", "float32"))
     worker.start(lambda: None)
 
     def share() -> float:

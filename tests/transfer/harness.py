@@ -50,6 +50,7 @@ def _child(
     logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(levelname)s %(message)s")
     from pdserve.config import TransferConfig
     from pdserve.kv.decode import decode
+    from pdserve.kv.geometry import CacheGeometry
     from pdserve.kv.groups import KVGroups
     from pdserve.kv.params import PullSource, PushSource, encode
     from pdserve.transfer.base import KVCacheSpec
@@ -69,8 +70,8 @@ def _child(
     kv = kv.to(device)
     layers, heads, head_dim = dims
     memory, dev_id = ("VRAM", kv.device.index or 0) if kv.is_cuda else ("DRAM", 0)
-    spec = KVCacheSpec(kv.data_ptr(), layers, num_blocks, block_size, heads, head_dim, 4, memory, dev_id, model,
-                       "float32", kv_groups=groups)  # fmt: skip
+    geometry = CacheGeometry(num_blocks, block_size, heads, heads, head_dim, 4, groups or KVGroups.of((), layers))
+    spec = KVCacheSpec(geometry, kv.data_ptr(), memory, dev_id, model, "float32")
     worker.register_kv_cache(kv, spec)
     # Sleep on the parent's pipe and the worker's wakeup, as the engine does: a child that polled every 0.5 ms
     # cost 12% of a core idle, and the fault suite's 19 children saturated a 2-core machine, starving P past

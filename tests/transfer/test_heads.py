@@ -5,14 +5,21 @@ rank merger's one-result-per-request rule; StepMeta between ranks round-trips.""
 import numpy as np
 import pytest
 
+from pdserve.kv.geometry import CacheGeometry
 from pdserve.kv.params import PushSource
-from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults, TransferStats
+from pdserve.transfer.base import KVCacheSpec, RecvTask, SendTask, StepMeta, TransferResults, TransferStats
 from pdserve.transfer.heads import mapping_error, rank_heads, sources
-from pdserve.transfer.layout import BlockLayout, Heads, descriptors, pad_last_blocks, token_segments
+from pdserve.transfer.layout import Heads, descriptors, pad_last_blocks, token_segments
 from pdserve.transfer.ranks import RankMerger, decode_meta, decode_results, encode_meta, encode_results
 
 LAYERS, BS, NB, HD = 2, 4, 4, 2  # layers, block size, blocks, head dim (float32 elements)
 L_BASE, R_BASE = 1 << 20, 1 << 30
+
+
+def cache(base: int, layers: int, num_blocks: int, block_size: int, heads: int) -> KVCacheSpec:
+    """A rank's float32 cache of `heads` KV heads at `base`."""
+    geometry = CacheGeometry.of((), layers, heads, HD, 4, block_size, num_blocks)
+    return KVCacheSpec(geometry, base, "DRAM", 0, "m", "float32")
 
 
 def full_cache(total: int) -> np.ndarray:
@@ -31,12 +38,12 @@ def test_every_d_rank_gets_exactly_its_heads(total: int, p_tp: int, d_tp: int) -
     for d_rank in range(d_tp):
         h0, nh = rank_heads(total, d_tp, d_rank)
         dst = np.full((NB, LAYERS, 2, nh, BS, HD), -1.0, dtype=np.float32)
-        local = BlockLayout(L_BASE, LAYERS, NB, BS, nh * HD * 4, 0, nh)
+        local = cache(L_BASE, LAYERS, NB, BS, nh)
         flat = dst.reshape(-1).view(np.uint8)
         for s in sources(total, p_tp, d_tp, d_rank):
             src = p[s.producer_rank]
-            remote = BlockLayout(R_BASE, LAYERS, NB, BS, src.shape[3] * HD * 4, 0, src.shape[3])
-            segs = token_segments(local, d_blocks, remote, p_blocks, start, n)
+            remote = cache(R_BASE, LAYERS, NB, BS, src.shape[3])
+            segs = token_segments(local.geometry, d_blocks, remote.geometry, p_blocks, start, n)
             lo, ro = descriptors(local, remote, segs, Heads(s.consumer_offset, s.producer_offset, s.num_heads))
             sflat = src.reshape(-1).view(np.uint8)
             for (la, ln, _), (ra, rn, _) in zip(lo.tolist(), ro.tolist(), strict=True):
@@ -98,11 +105,13 @@ def _whole_block_counts(total: int, p_tp: int, d_tp: int, blocks: int, layers: i
     out = []
     for d_rank in range(d_tp):
         _, nh = rank_heads(total, d_tp, d_rank)
-        local = BlockLayout(L_BASE, layers, 64, BS, nh * HD * 4, 0, nh)
+        local = cache(L_BASE, layers, 64, BS, nh)
         for s in sources(total, p_tp, d_tp, d_rank):
             _, ph = rank_heads(total, p_tp, s.producer_rank)
-            remote = BlockLayout(R_BASE, layers, 64, BS, ph * HD * 4, 0, ph)
-            segs = token_segments(local, list(range(blocks, 0, -1)), remote, list(range(blocks)), 0, blocks * BS)
+            remote = cache(R_BASE, layers, 64, BS, ph)
+            segs = token_segments(
+                local.geometry, list(range(blocks, 0, -1)), remote.geometry, list(range(blocks)), 0, blocks * BS
+            )
             lo, _ = descriptors(local, remote, segs, Heads(s.consumer_offset, s.producer_offset, s.num_heads))
             out.append((len(lo), blocks if s.num_heads == nh == ph else blocks * layers * 2))
     return out
@@ -119,19 +128,21 @@ def test_head_slice_of_whole_blocks_is_one_descriptor_per_block_layer_and_kv(tot
 def test_padded_last_block_stays_one_descriptor_per_region() -> None:
     """A partial last block is one descriptor per (region, head) of the slice; padded (pad_last_blocks) it is one
     per region like the whole blocks, and a slice that is every head of both sides merges into the block runs."""
-    local = BlockLayout(L_BASE, LAYERS, NB, BS, 4 * HD * 4, 0, 4)  # D: 4 heads
-    remote = BlockLayout(R_BASE, LAYERS, NB, BS, 2 * HD * 4, 0, 2)  # a P rank: 2 of them
-    segs = token_segments(local, [0, 1], remote, [2, 0], 0, BS + 1)  # one whole block, one token of the next
+    local = cache(L_BASE, LAYERS, NB, BS, 4)  # D: 4 heads
+    remote = cache(R_BASE, LAYERS, NB, BS, 2)  # a P rank: 2 of them
+    segs = token_segments(
+        local.geometry, [0, 1], remote.geometry, [2, 0], 0, BS + 1
+    )  # one whole block, one token of the next
     heads = Heads(2, 0, 2)
     assert len(descriptors(local, remote, segs, heads)[0]) == 2 * LAYERS + 2 * LAYERS * 2
-    padded = pad_last_blocks(local, remote, segs)
+    padded = pad_last_blocks(local.geometry, remote.geometry, segs)
     assert [s.num_tokens for s in padded] == [BS, BS]
     assert len(descriptors(local, remote, padded, heads)[0]) == 2 * 2 * LAYERS
-    same = BlockLayout(R_BASE, LAYERS, NB, BS, 4 * HD * 4, 0, 4)  # equal TP: the padded run is one descriptor
-    segs = token_segments(local, [0, 1], same, [3, 0], 0, BS + 1)
+    same = cache(R_BASE, LAYERS, NB, BS, 4)  # equal TP: the padded run is one descriptor
+    segs = token_segments(local.geometry, [0, 1], same.geometry, [3, 0], 0, BS + 1)
     assert len(descriptors(local, same, segs)[0]) == 1 + 2 * LAYERS * 4
-    segs = token_segments(local, [0, 1], same, [2, 3], 0, BS + 1)  # contiguous on both sides
-    assert len(descriptors(local, same, pad_last_blocks(local, same, segs))[0]) == 1
-    other = BlockLayout(R_BASE, LAYERS, NB, 2 * BS, 4 * HD * 4, 0, 4)  # block sizes differ: nothing padded
-    segs = token_segments(local, [0, 1], other, [1], 0, BS + 1)
-    assert pad_last_blocks(local, other, segs) == segs
+    segs = token_segments(local.geometry, [0, 1], same.geometry, [2, 3], 0, BS + 1)  # contiguous on both sides
+    assert len(descriptors(local, same, pad_last_blocks(local.geometry, same.geometry, segs))[0]) == 1
+    other = cache(R_BASE, LAYERS, NB, 2 * BS, 4)  # block sizes differ: nothing padded
+    segs = token_segments(local.geometry, [0, 1], other.geometry, [1], 0, BS + 1)
+    assert pad_last_blocks(local.geometry, other.geometry, segs) == segs

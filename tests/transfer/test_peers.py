@@ -10,16 +10,17 @@ from typing import Any, cast
 
 import pytest
 
+from pdserve.kv.geometry import CacheGeometry
 from pdserve.transfer.thread.peers import Peer, Peers
 from pdserve.transfer.wire import WIRE_VERSION, HandshakeReply, PeerInfo
 
 
 def _info(rank: int, tp: int, ports: list[int]) -> PeerInfo:
+    geometry = CacheGeometry.of((), 2, 2 // tp, 4, 4, 4, 16, 2)
     return PeerInfo(engine_id="p", agent_name=f"p-r{rank}", agent_metadata=b"md", model_name="m", dtype="float32",
-                    num_layers=2, num_kv_heads=2 // tp, head_dim=4, transfer_mode="push", wire_version=WIRE_VERSION,
-                    base_addr=1 << 40, num_blocks=16, block_size=4, token_bytes=2 // tp * 16, device_id=0,
-                    memory="DRAM", tp_rank=rank, tp_size=tp, total_kv_heads=2, rank_ports=ports if rank == 0 else [],
-                    compat_hash="", epoch=1, group_windows=[0], group_layers=[[0, 1]])  # fmt: skip
+                    transfer_mode="push", wire_version=WIRE_VERSION, geometry=geometry, base_addr=1 << 40,
+                    device_id=0, memory="DRAM", tp_rank=rank, tp_size=tp, rank_ports=ports if rank == 0 else [],
+                    compat_hash="", epoch=1)  # fmt: skip
 
 
 class FakeSide:

@@ -14,9 +14,9 @@ from typing import Any, cast
 import numpy as np
 
 from pdserve.config import TransferConfig
+from pdserve.kv.geometry import CacheGeometry
 from pdserve.kv.params import PushSource
 from pdserve.transfer.base import KVCacheSpec, RecvTask, SendTask
-from pdserve.transfer.layout import BlockLayout
 from pdserve.transfer.thread.agent import Xfer, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.peers import Peer
@@ -29,13 +29,15 @@ from pdserve.transfer.wire_notifs import PushCancel, PushCancelAck, PushDone, Pu
 HEADS, HEAD_DIM, ELEM, LAYERS, BLOCK, BLOCKS = 2, 4, 4, 2, 4, 16
 
 
+def _geometry(heads: int) -> CacheGeometry:
+    return CacheGeometry.of((), LAYERS, heads, HEAD_DIM, ELEM, BLOCK, BLOCKS, HEADS)
+
+
 def _info(rank: int, tp: int) -> PeerInfo:
     return PeerInfo(engine_id="d", agent_name=f"d-r{rank}", agent_metadata=b"", model_name="m", dtype="float32",
-                    num_layers=LAYERS, num_kv_heads=HEADS // tp, head_dim=HEAD_DIM, transfer_mode="push",
-                    wire_version=WIRE_VERSION, base_addr=1 << 40, num_blocks=BLOCKS, block_size=BLOCK,
-                    token_bytes=HEADS // tp * HEAD_DIM * ELEM, device_id=0, memory="DRAM", tp_rank=rank, tp_size=tp,
-                    total_kv_heads=HEADS, rank_ports=[], compat_hash="", epoch=1, group_windows=[0],
-                    group_layers=[list(range(LAYERS))])  # fmt: skip
+                    transfer_mode="push", wire_version=WIRE_VERSION, geometry=_geometry(HEADS // tp),
+                    base_addr=1 << 40, device_id=0, memory="DRAM", tp_rank=rank, tp_size=tp, rank_ports=[],
+                    compat_hash="", epoch=1)  # fmt: skip
 
 
 @dataclass
@@ -93,14 +95,13 @@ class Fakes:
 
 def _side(lease_s: float = 30.0) -> tuple[SendSide, Fakes]:
     f = Fakes()
-    spec = KVCacheSpec(1 << 30, LAYERS, BLOCKS, BLOCK, HEADS, HEAD_DIM, ELEM, "DRAM", 0, "m", "float32")
+    spec = KVCacheSpec(_geometry(HEADS), 1 << 30, "DRAM", 0, "m", "float32")
     for rank in (0, 1):
         info = _info(rank, 2)
-        layout = BlockLayout(info.base_addr, LAYERS, BLOCKS, BLOCK, info.token_bytes, 0, info.num_kv_heads)
-        f.peers[info.agent_name] = Peer(info, layout)
+        f.peers[info.agent_name] = Peer(info)
     cfg = TransferConfig(role="prefill", mode="push", lease_s=lease_s)
-    ctx = TransferContext(cfg, spec, BlockLayout.from_spec(spec), cast(Any, f), cast(Any, None), cast(Any, None),
-                          cast(Any, f), cast(Any, f), cast(Any, f))  # fmt: skip
+    ctx = TransferContext(cfg, spec, cast(Any, f), cast(Any, None), cast(Any, None), cast(Any, f), cast(Any, f),
+                          cast(Any, f))  # fmt: skip
     return SendSide(ctx), f
 
 
@@ -212,12 +213,11 @@ def _recv_side() -> tuple[RecvSide, RecvFakes]:
     f = RecvFakes()
     for rank in (0, 1):
         info = replace(_info(rank, 2), engine_id="p", agent_name=f"p-r{rank}")
-        f.peers[info.agent_name] = Peer(info, BlockLayout(1 << 40, LAYERS, BLOCKS, BLOCK, info.token_bytes, 0, 1))
-    spec = KVCacheSpec(1 << 30, LAYERS, BLOCKS, BLOCK, HEADS, HEAD_DIM, ELEM, "DRAM", 0, "m", "float32")
+        f.peers[info.agent_name] = Peer(info)
+    spec = KVCacheSpec(_geometry(HEADS), 1 << 30, "DRAM", 0, "m", "float32")
     cfg = TransferConfig(role="decode", mode="push")
     local = replace(_info(0, 1), engine_id="d")
-    ctx = TransferContext(cfg, spec, BlockLayout.from_spec(spec), cast(Any, f), local, cast(Any, None),
-                          cast(Any, f), cast(Any, f), cast(Any, f))  # fmt: skip
+    ctx = TransferContext(cfg, spec, cast(Any, f), local, cast(Any, None), cast(Any, f), cast(Any, f), cast(Any, f))
     side = RecvSide(ctx)
     side.on_recv(RecvTask("r1", (1, 2), 0, 6, PushSource("t", "127.0.0.1", 5600, "p")), 0.0)
     assert {n for n, m in f.notifs if isinstance(m, PushRegister)} == {"p-r0", "p-r1"}

@@ -5,6 +5,8 @@ import dataclasses
 import msgpack
 import pytest
 
+from pdserve.kv.geometry import CacheGeometry
+from pdserve.kv.groups import KVGroup, KVGroups
 from pdserve.transfer.wire import (
     WIRE_VERSION,
     HandshakeReply,
@@ -16,7 +18,7 @@ from pdserve.transfer.wire import (
     decode,
     encode,
 )
-from pdserve.transfer.wire_compat import compat_hash, incompatibility
+from pdserve.transfer.wire_compat import compat_hash, compat_values, incompatibility
 from pdserve.transfer.wire_notifs import (
     PullRelease,
     PullReleaseAck,
@@ -28,15 +30,18 @@ from pdserve.transfer.wire_notifs import (
 
 
 def info(**kw) -> PeerInfo:
-    tp = {k: kw.pop(k) for k in ("tp_size", "num_kv_heads") if k in kw}
-    v = dict(model_name="m", dtype="float32", num_layers=2, total_kv_heads=2, head_dim=4, transfer_mode="pull",
-             wire_version=WIRE_VERSION, group_windows=[0], group_layers=[[0, 1]])  # fmt: skip
-    block_size = kw.pop("block_size", 4)
+    """A handshake of a 2-layer, 2-KV-head float32 model (keyword arguments override its fields, or the
+    geometry's: num_layers, block_size, num_kv_heads, group_windows, group_layers)."""
+    layers = kw.pop("group_layers", None) or [list(range(kw.pop("num_layers", 2)))]
+    windows = kw.pop("group_windows", [0] * len(layers))
+    groups = KVGroups(tuple(KVGroup(w or None, tuple(t)) for w, t in zip(windows, layers, strict=True)), len(layers[0]))
+    geometry = CacheGeometry(16, kw.pop("block_size", 4), kw.pop("num_kv_heads", 2), 2, 4, 4, groups)
+    v = dict(model_name="m", dtype="float32", transfer_mode="pull", wire_version=WIRE_VERSION, tp_size=1)
     v.update(kw)
-    return PeerInfo(engine_id="e1", agent_name="a1", agent_metadata=b"\x00md", base_addr=1 << 40, num_blocks=16,
-                    block_size=block_size, token_bytes=32, device_id=0, memory="DRAM", tp_rank=0,
-                    tp_size=tp.get("tp_size", 1), num_kv_heads=tp.get("num_kv_heads", 2), rank_ports=[5000, 5001],
-                    compat_hash=compat_hash(v), epoch=1_700_000_000_000_000_000, **v)  # fmt: skip
+    peer = PeerInfo(engine_id="e1", agent_name="a1", agent_metadata=b"\x00md", geometry=geometry, base_addr=1 << 40,
+                    device_id=0, memory="DRAM", tp_rank=0, rank_ports=[5000, 5001], compat_hash="",
+                    epoch=1_700_000_000_000_000_000, **v)  # fmt: skip
+    return dataclasses.replace(peer, compat_hash=compat_hash(compat_values(peer)))
 
 
 @pytest.mark.parametrize(
@@ -124,6 +129,22 @@ def test_round_trip(msg):
 def test_malformed_is_refused(raw, match):
     with pytest.raises(WireError, match=match):
         decode(raw)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"block_size": "4"}, "geometry.block_size: expected int"),
+        ({"num_blocks": -1}, "num_blocks must be an int >= 0"),
+        ({"group_layers": [[0], [1, 2]]}, "bad KV groups"),
+        ({"group_windows": [0, 8]}, "bad KV groups"),
+    ],
+)
+def test_malformed_geometry_is_refused(change, match):
+    raw = msgpack.unpackb(encode(HandshakeRequest(info(), False)))
+    raw["peer"]["geometry"].update(change)
+    with pytest.raises(WireError, match=match):
+        decode(msgpack.packb(raw))
 
 
 def test_never_pickle():

@@ -6,7 +6,7 @@ Layers (docs/architecture.md, "Pieces and dependencies"):
   torch, numpy or nixl;
 - the engine facade the server holds (engine/client.py), the server's HTTP modules and the shared web
   module load no torch;
-- transfer/ never imports the engine or the server;
+- transfer/ never imports the engine, the server or the model (the cache geometry and KV groups are kv/'s);
 - the router and the bench speak HTTP only: no torch, no engine, no model, no server, no transfer (the P/D
   contract they need is kv/).
 """
@@ -94,11 +94,11 @@ def test_engine_facade_and_http_modules_load_no_torch(module: str) -> None:
 CUDA_ONLY = ("pdserve.transfer.checksum_kernel",)  # Triton kernels: imported only where a CUDA cache is summed
 
 
-def test_transfer_imports_neither_engine_nor_server() -> None:
+def test_transfer_imports_neither_engine_server_nor_model() -> None:
     has_triton = importlib.util.find_spec("triton") is not None
     modules = [m for m in all_modules("pdserve.transfer") if has_triton or m not in CUDA_ONLY]
     loaded = loaded_after_import(*modules)
-    assert {m for m in loaded if m.startswith(("pdserve.engine", "pdserve.server"))} == set()
+    assert {m for m in loaded if m.startswith(("pdserve.engine", "pdserve.server", "pdserve.model"))} == set()
 
 
 def test_router_and_bench_speak_http_only() -> None:

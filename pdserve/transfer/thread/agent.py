@@ -63,7 +63,7 @@ class NixlAgent:
         self.memory = spec.memory
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self._kv_cache = kv_cache  # keep the registered buffer alive as long as the agent
-        region = [(spec.base_addr, spec.total_bytes, spec.device_id, "")]
+        region = [(spec.base_addr, spec.geometry.total_bytes, spec.device_id, "")]
         try:
             self._reg = self._agent.register_memory(region, spec.memory)
         except Exception as e:

@@ -8,10 +8,11 @@ from typing import Protocol
 import numpy as np
 
 from pdserve.config import TransferConfig
+from pdserve.kv.geometry import CacheGeometry
 from pdserve.transfer.base import KVCacheSpec, StepMeta
 from pdserve.transfer.checksum import KVChecksum
 from pdserve.transfer.heads import sources
-from pdserve.transfer.layout import BlockLayout, Heads
+from pdserve.transfer.layout import Heads
 from pdserve.transfer.staging import Stager
 from pdserve.transfer.thread.agent import AgentError, NixlAgent, Xfer
 from pdserve.transfer.thread.handshake import SideChannel
@@ -27,8 +28,7 @@ class TransferContext:
     which are thread-safe. Built once, complete, by NixlWorker.register_kv_cache()."""
 
     cfg: TransferConfig
-    spec: KVCacheSpec
-    layout: BlockLayout  # this instance's KV cache
+    spec: KVCacheSpec  # this instance's KV cache (the registered buffer: the host mirror when staged)
     agent: NixlAgent
     local: PeerInfo  # this instance's handshake payload
     side: SideChannel
@@ -38,18 +38,22 @@ class TransferContext:
     stager: Stager | None = None  # kv_buffer_device "cpu" with a CUDA cache: NIXL moves a host mirror (staging.py)
     checksum: KVChecksum | None = None  # --kv-checksum: sums over the registered buffer (checksum.py, kv_verify.py)
 
+    @property
+    def geometry(self) -> CacheGeometry:
+        return self.spec.geometry
+
     def heads_from(self, producer: PeerInfo) -> dict[int, Heads]:
         """Consumer side: producer rank -> the head slice this rank receives from it (heads.py); ranks missing
         send this rank nothing."""
         out: dict[int, Heads] = {}
-        for s in sources(self.spec.model_kv_heads, producer.tp_size, self.spec.tp_size, self.spec.tp_rank):
+        for s in sources(self.geometry.total_kv_heads, producer.tp_size, self.spec.tp_size, self.spec.tp_rank):
             out[s.producer_rank] = Heads(s.consumer_offset, s.producer_offset, s.num_heads)
         return out
 
     def heads_to(self, consumer: PeerInfo) -> Heads | None:
         """Producer side: the head slice this rank sends the consumer rank (as local = this rank's heads), or
         None when that consumer gets its heads from other ranks."""
-        for s in sources(self.spec.model_kv_heads, self.spec.tp_size, consumer.tp_size, consumer.tp_rank):
+        for s in sources(self.geometry.total_kv_heads, self.spec.tp_size, consumer.tp_size, consumer.tp_rank):
             if s.producer_rank == self.spec.tp_rank:
                 return Heads(s.producer_offset, s.consumer_offset, s.num_heads)
         return None

@@ -39,7 +39,7 @@ def consumer_sums(ctx: TransferContext, task: RecvTask, producer: PeerInfo) -> d
     ck = ctx.checksum
     if ck is None or task.num_tokens == 0:
         return {}
-    ranges = landed_ranges(ctx, task, producer.block_size)
+    ranges = landed_ranges(ctx, task, producer.geometry.block_size)
     parts = ctx.heads_from(producer)
     if ctx.cfg.faults.flip_kv_byte and parts:  # test: one corrupted byte in the first part's first row
         g, (first, _) = next((g, r) for g, r in enumerate(ranges) if r[0] < r[1])
@@ -55,7 +55,7 @@ def release_request(
     heads = ctx.heads_from(producer).get(p_rank)
     if ctx.checksum is None or heads is None or task.num_tokens == 0:
         return [], []
-    ranges = landed_ranges(ctx, task, producer.block_size)
+    ranges = landed_ranges(ctx, task, producer.geometry.block_size)
     return [heads.remote, heads.num], [[first, end] for first, end in ranges]
 
 
@@ -66,13 +66,13 @@ def release_sums(ctx: TransferContext, send: SendTask, msg: PullRelease) -> Sums
         return []
     h0, num = msg.checksum_heads
     ranges = [(r[0], r[1]) for r in msg.checksum_ranges if len(r) == 2]
-    if not (num >= 1 and 0 <= h0 and h0 + num <= ctx.spec.num_kv_heads) or len(ranges) != len(send.tables):
+    if not (num >= 1 and 0 <= h0 and h0 + num <= ctx.geometry.num_kv_heads) or len(ranges) != len(send.tables):
         return []
-    bs = ctx.layout.block_size
+    bs = ctx.geometry.block_size
     for table, (first, end) in zip(send.tables, ranges, strict=True):
         if not 0 <= first <= end <= send.num_tokens:
             return []
-        if any(not 0 <= b < ctx.layout.num_blocks for b in table[first // bs : -(-end // bs)]):
+        if any(not 0 <= b < ctx.geometry.num_blocks for b in table[first // bs : -(-end // bs)]):
             return []  # (a windowed group's STALE entries lie before its window)
     return ctx.checksum.part(send.tables, ranges, h0, num)
 

@@ -16,7 +16,9 @@ def landed_ranges(ctx: TransferContext, task: RecvTask, peer_block_size: int) ->
     starts before `first` (P's blocks are smaller: P had freed the rows before its own block's start) has rows
     D never received there; D reads none of them (they lie before its window), and the engine must not register
     that block in its prefix cache (TransferResults.landed_from)."""
-    return group_ranges(ctx.spec.windows, task.start_token, task.num_tokens, ctx.layout.block_size, peer_block_size)
+    return group_ranges(
+        ctx.geometry.windows, task.start_token, task.num_tokens, ctx.geometry.block_size, peer_block_size
+    )
 
 
 def landed_from(ctx: TransferContext, task: RecvTask, peer_block_size: int) -> tuple[int, ...]:

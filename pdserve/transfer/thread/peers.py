@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from pdserve.transfer.layout import BlockLayout
 from pdserve.transfer.thread.agent import AgentError, NixlAgent
 from pdserve.transfer.thread.handshake import REFUSED, SideChannel
 from pdserve.transfer.thread.loop import TransferLoop
@@ -42,8 +41,7 @@ RanksCallback = Callable[["dict[int, Peer] | None", "str | None"], None]  # (pee
 
 @dataclass
 class Peer:
-    info: PeerInfo
-    layout: BlockLayout  # where its KV cache is (addresses in its process)
+    info: PeerInfo  # who it is and where its KV cache is (info.geometry, info.base_addr: in its process)
     alive_at: float = field(default_factory=time.monotonic)  # last handshake or Pong from this process
     pinging: bool = False  # a heartbeat Ping is in flight
 
@@ -54,18 +52,6 @@ class Peer:
     @property
     def engine_id(self) -> str:
         return self.info.engine_id
-
-
-def layout_of(info: PeerInfo) -> BlockLayout:
-    return BlockLayout(
-        info.base_addr,
-        info.num_layers,
-        info.num_blocks,
-        info.block_size,
-        info.token_bytes,
-        info.device_id,
-        info.num_kv_heads,
-    )
 
 
 class Peers:
@@ -193,7 +179,7 @@ class Peers:
             if name != info.agent_name:
                 log.warning("agent metadata names %r, handshake said %r", name, info.agent_name)
             info = replace(info, agent_name=name, agent_metadata=b"")  # the metadata is not needed again
-            peer = Peer(info, layout_of(info))
+            peer = Peer(info)
             self._by_agent[name] = peer
         return peer
 

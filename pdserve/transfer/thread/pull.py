@@ -114,8 +114,8 @@ class PullCore:
             self._end(rid, rd, f"handshake with {rd.remote.host}:{rd.remote.port} failed: {error}")
             return
         task, remote, info = rd.task, rd.remote, peers[0].info
-        if remote.block_size is not None and remote.block_size != info.block_size:
-            self._end(rid, rd, f"params say block size {remote.block_size}, P reports {info.block_size}")
+        if remote.block_size is not None and remote.block_size != info.geometry.block_size:
+            self._end(rid, rd, f"params say block size {remote.block_size}, P reports {info.geometry.block_size}")
             return
         if task.num_tokens == 0:  # nothing read: the release needs no confirmation
             self._end(rid, rd, None)
@@ -135,11 +135,11 @@ class PullCore:
         for p_rank, heads in self.ctx.heads_from(rd.peers[0].info).items():
             peer = rd.peers[p_rank]
             try:
-                segs = group_segments(self.ctx.layout, task.tables, peer.layout,
-                                      remote.block_tables or (remote.block_ids,), self.ctx.spec.windows,
+                segs = group_segments(self.ctx.geometry, task.tables, peer.info.geometry,
+                                      remote.block_tables or (remote.block_ids,), self.ctx.geometry.windows,
                                       task.start_token, task.num_tokens)  # fmt: skip
-                segs = pad_last_blocks(self.ctx.layout, peer.layout, segs)  # into D's fresh blocks: safe
-                local_descs, remote_descs = descriptors(self.ctx.layout, peer.layout, segs, heads)
+                segs = pad_last_blocks(self.ctx.geometry, peer.info.geometry, segs)  # into D's fresh blocks: safe
+                local_descs, remote_descs = descriptors(self.ctx.spec, peer.info, segs, heads)
                 xfer = self.ctx.post("READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory)
             except (LayoutError, AgentError) as e:
                 if isinstance(e, PeerGone):
@@ -149,7 +149,7 @@ class PullCore:
                 return
             rd.xfers[p_rank] = xfer
             self.ctx.sink.posted(xfer.num_descs, xfer.post_seconds)
-            if num_bytes(self.ctx.layout, segs, heads) != xfer.num_bytes:  # a bug in layout.py, never the peer's
+            if num_bytes(self.ctx.geometry, segs, heads) != xfer.num_bytes:  # a bug in layout.py, never the peer's
                 log.error("pull: descriptor bytes %d != segment bytes", xfer.num_bytes)
         rd.state = ReadState.READING
         self.ctx.sink.event(rid, "transfer_posted", posted_wall)
@@ -224,7 +224,7 @@ class PullCore:
         else:  # staging: the data is in the mirror; copy it into the KV cache before reporting
             if self.ctx.stager is not None:
                 rd.state = ReadState.STAGING
-            land(self.ctx, rd.task, rd.peers[0].info.block_size, lambda: self.reads.get(rid) is rd,
+            land(self.ctx, rd.task, rd.peers[0].info.geometry.block_size, lambda: self.reads.get(rid) is rd,
                  lambda error: self._end(rid, rd, error))  # fmt: skip
 
     def _peer_dead(self, peer: Peer) -> None:
@@ -261,7 +261,7 @@ class PullCore:
             self.ctx.sink.recv_cancelled(rid)
         elif error is None:
             secs = time.monotonic() - rd.posted_at if rd.xfers else None
-            peer_bs = rd.peers[0].info.block_size  # finished: the handshake was done
+            peer_bs = rd.peers[0].info.geometry.block_size  # finished: the handshake was done
             self.ctx.sink.recv_finished(rid, nbytes, secs, landed_from(self.ctx, rd.task, peer_bs))
         else:
             log.warning("pull of %s failed: %s", rid, error)

@@ -91,7 +91,7 @@ class RecvSide:
         t = w.task
         keepalive_ms = max(MIN_KEEPALIVE_MS, int(self.ctx.cfg.recv_timeout_s * 1000 / KEEPALIVES_PER_TIMEOUT))
         msg = PushRegister(w.remote.transfer_id, t.attempt, self.ctx.local.engine_id, list(t.block_ids),
-                           self.ctx.layout.block_size, t.start_token, t.num_tokens, self.ctx.spec.tp_rank,
+                           self.ctx.geometry.block_size, t.start_token, t.num_tokens, self.ctx.spec.tp_rank,
                            keepalive_ms, block_tables=[list(b) for b in t.block_tables])  # fmt: skip
         w.state, w.registered_at = WaitState.REGISTERED, time.monotonic()
         for p_rank, peer in w.peers.items():
@@ -170,7 +170,7 @@ class RecvSide:
         def end(error: str | None) -> None:
             self._end(rid, w, RecvEnd.FINISHED if error is None else RecvEnd.FAILED, error or "")
 
-        land(self.ctx, w.task, w.peers[0].info.block_size, lambda: self.waits.get(rid) is w, end)
+        land(self.ctx, w.task, w.peers[0].info.geometry.block_size, lambda: self.waits.get(rid) is w, end)
 
     # ---- timeouts and cancels ----------------------------------------------------------------------------------------
     def _timeout(self, rid: str, w: Wait) -> None:
@@ -287,7 +287,9 @@ class RecvSide:
         del self.waits[rid]
         del self.by_key[w.key]
         if kind is RecvEnd.FINISHED:  # the WRITE's duration is P's to record; D only waited
-            peer_bs = w.peers[0].info.block_size  # finished: every producer's PushDone came, after the handshake
+            peer_bs = w.peers[
+                0
+            ].info.geometry.block_size  # finished: every producer's PushDone came, after the handshake
             self.ctx.sink.recv_finished(rid, w.num_bytes, None, landed_from(self.ctx, w.task, peer_bs))
         elif kind is RecvEnd.CANCELLED:
             self.ctx.sink.recv_cancelled(rid)

@@ -41,34 +41,36 @@ def post_write(ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPa
     assert reg is not None
     msg, peer = reg.msg, reg.peer
     try:
-        if msg.block_size != peer.info.block_size:
-            raise LayoutError(f"registration says block size {msg.block_size}, handshake said {peer.info.block_size}")
+        if msg.block_size != peer.info.geometry.block_size:
+            raise LayoutError(
+                f"registration says block size {msg.block_size}, handshake said {peer.info.geometry.block_size}"
+            )
         if msg.start_token + msg.num_tokens > send.num_tokens:
             raise LayoutError(
                 f"the prefill has KV for {send.num_tokens} tokens, D asked up to {msg.start_token + msg.num_tokens}"
             )
         segs = group_segments(
-            ctx.layout, send.tables, peer.layout, msg.block_tables or [msg.block_ids], ctx.spec.windows,
+            ctx.geometry, send.tables, peer.info.geometry, msg.block_tables or [msg.block_ids], ctx.geometry.windows,
             msg.start_token, msg.num_tokens,
         )  # fmt: skip
-        segs = pad_last_blocks(ctx.layout, peer.layout, segs)  # D's fresh blocks: safe (its docstring)
+        segs = pad_last_blocks(ctx.geometry, peer.info.geometry, segs)  # D's fresh blocks: safe (its docstring)
         heads = ctx.heads_to(peer.info)  # this rank's slice of D's rank's heads (heads.py)
         if heads is not None:
-            local, remote = descriptors(ctx.layout, peer.layout, segs, heads)
+            local, remote = descriptors(ctx.spec, peer.info, segs, heads)
     except LayoutError as e:
         return WriteOver(False, f"cannot write: {e}")
     if heads is None:  # D's rank gets its heads from other ranks of P: this rank's part is over, unannounced
         x.silent = True
         return WriteOver(True, None)
     nbytes = int(local[:, 1].sum()) if len(local) else 0
-    n_prod = num_producers(ctx.spec.model_kv_heads, ctx.spec.tp_size, peer.info.tp_size, d_rank)
+    n_prod = num_producers(ctx.geometry.total_kv_heads, ctx.spec.tp_size, peer.info.tp_size, d_rank)
     done = PushDone(transfer_id, msg.attempt, ctx.spec.tp_rank, n_prod, nbytes)
     x.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the WRITE
     try:
         if msg.num_tokens == 0:
             ctx.agent.send_notif(peer.agent_name, encode(done))
         else:
-            ranges = _ranges(ctx, msg, peer.layout.block_size)
+            ranges = _ranges(ctx, msg, peer.info.geometry.block_size)
             if ctx.stager is not None:  # KV cache -> host mirror, exactly the blocks this WRITE reads
                 for table, (first, end) in zip(send.tables, ranges, strict=True):
                     ctx.stager.stage_out(table, first, end - first)
@@ -106,8 +108,8 @@ def check_write(ctx: TransferContext, x: DestPart, d_rank: int) -> WriteOver | N
 
 def _ranges(ctx: TransferContext, msg: PushRegister, remote_block_size: int) -> list[tuple[int, int]]:
     """Per KV group, the tokens this WRITE reads (layout.group_ranges)."""
-    bs = (ctx.layout.block_size, remote_block_size)
-    return group_ranges(ctx.spec.windows, msg.start_token, msg.num_tokens, *bs)
+    bs = (ctx.geometry.block_size, remote_block_size)
+    return group_ranges(ctx.geometry.windows, msg.start_token, msg.num_tokens, *bs)
 
 
 def notify(ctx: TransferContext, agent_name: str, msg: Message) -> None:

@@ -20,7 +20,7 @@ from pdserve.config import TransferConfig
 from pdserve.transfer.base import ConnectorWorker, KVCacheSpec, StepMeta, TransferResults, TransferStats
 from pdserve.transfer.checksum import KVChecksum
 from pdserve.transfer.faults import NO_FAULTS
-from pdserve.transfer.layout import BlockLayout, live_ranges
+from pdserve.transfer.layout import live_ranges
 from pdserve.transfer.staging import make_stager
 from pdserve.transfer.thread.agent import AgentError, NixlAgent
 from pdserve.transfer.thread.context import ModeCore, TransferContext
@@ -40,7 +40,7 @@ from pdserve.transfer.wire import (
     WireError,
     decode,
 )
-from pdserve.transfer.wire_compat import compat_hash, incompatibility
+from pdserve.transfer.wire_compat import compat_hash, compat_values, incompatibility
 
 log = logging.getLogger(__name__)
 
@@ -84,47 +84,23 @@ class _Dispatch:
 
 
 def local_peer_info(cfg: TransferConfig, spec: KVCacheSpec, agent: NixlAgent, epoch: int) -> PeerInfo:
-    values: dict[str, Any] = dict(
-        model_name=spec.model_name,
-        dtype=spec.dtype,
-        num_layers=spec.num_layers,
-        total_kv_heads=spec.model_kv_heads,
-        head_dim=spec.head_dim,
-        transfer_mode=cfg.mode,
-        wire_version=WIRE_VERSION,
-        group_windows=[w or 0 for w in spec.windows],
-        group_layers=(
-            [list(g.layers) for g in spec.kv_groups.groups] if spec.kv_groups else [list(range(spec.num_layers))]
-        ),
+    info = PeerInfo(
+        engine_id=cfg.engine_id, agent_name=agent.name, agent_metadata=agent.metadata, model_name=spec.model_name,
+        dtype=spec.dtype, transfer_mode=cfg.mode, wire_version=WIRE_VERSION, geometry=spec.geometry,
+        base_addr=spec.base_addr, device_id=spec.device_id, memory=spec.memory, tp_rank=spec.tp_rank,
+        tp_size=spec.tp_size, rank_ports=list(spec.rank_ports), compat_hash="", epoch=epoch,
         kv_checksum=cfg.kv_checksum,
-    )
-    return PeerInfo(
-        engine_id=cfg.engine_id,
-        agent_name=agent.name,
-        agent_metadata=agent.metadata,
-        base_addr=spec.base_addr,
-        num_blocks=spec.num_blocks,
-        block_size=spec.block_size,
-        token_bytes=spec.token_bytes,
-        device_id=spec.device_id,
-        memory=spec.memory,
-        tp_rank=spec.tp_rank,
-        tp_size=spec.tp_size,
-        num_kv_heads=spec.num_kv_heads,
-        rank_ports=list(spec.rank_ports),
-        compat_hash=compat_hash(values),
-        epoch=epoch,
-        **values,
-    )
+    )  # fmt: skip
+    return dataclasses.replace(info, compat_hash=compat_hash(compat_values(info)))
 
 
 def refusal_info(info: PeerInfo) -> PeerInfo:
     """What a refused handshake tells the peer: the compatibility fields (and TP shape) it needs to name the
     difference from its side, nothing that locates or reaches this instance (no agent name or NIXL metadata, no
-    addresses, ports, cache layout or epoch)."""
+    addresses, ports, cache size or epoch)."""
     return dataclasses.replace(
-        info, agent_name="", agent_metadata=b"", base_addr=0, num_blocks=0, block_size=0, token_bytes=0,
-        device_id=0, memory="", rank_ports=[], epoch=0,
+        info, agent_name="", agent_metadata=b"", base_addr=0, geometry=dataclasses.replace(info.geometry,
+        num_blocks=0, block_size=0), device_id=0, memory="", rank_ports=[], epoch=0,
     )  # fmt: skip
 
 
@@ -146,7 +122,7 @@ class NixlWorker(ConnectorWorker):
 
     def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
         name = f"{self.cfg.engine_id}-r{spec.tp_rank}-{uuid.uuid4().hex[:8]}"
-        stager = make_stager(self.cfg.kv_buffer_device, kv_cache, self.cfg.faults)
+        stager = make_stager(self.cfg.kv_buffer_device, kv_cache, spec, self.cfg.faults)
         if stager is not None:  # NIXL, the layout and the handshake see the mirror, never the cache itself
             kv_cache, spec = stager.mirror, stager.spec(spec)
         # the advertised address, not a wildcard bind: UCX listens where peers are told to dial (netdev.py)
@@ -158,9 +134,8 @@ class NixlWorker(ConnectorWorker):
         peers = Peers(agent, local, self.side, self.thread, self.cfg.heartbeat_s, self.cfg.peer_timeout_s)
         checksum = KVChecksum(kv_cache) if self.cfg.kv_checksum else None  # over what NIXL moves (the mirror)
         self.ctx = TransferContext(
-            self.cfg, spec, BlockLayout.from_spec(spec), agent, local, self.side, self.thread, self.sink, peers, stager,
-            checksum,
-        )  # fmt: skip
+            self.cfg, spec, agent, local, self.side, self.thread, self.sink, peers, stager, checksum
+        )
 
     def start(self, wakeup: Callable[[], None]) -> None:
         # Start order: transfer thread, then side channel (a handshake may post work to the thread at once).
