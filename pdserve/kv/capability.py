@@ -174,7 +174,8 @@ class KVAuth:
         producer now. Without a secret always (the coordinates are the proof, as in D's PullRelease); with one,
         only when they carry a capability whose MAC holds for exactly these coordinates (expired, or for another
         prompt, is fine: whoever holds it was given that KV) that this instance has not admitted before (a
-        replay: the admitted request's own transfer ends the pin). Call it before check() records the use.
+        replay: the admitted request's own transfer ends the pin). A request whose own check() used it knows that
+        itself (server/refusal.py).
         Without a secret, never to a host this instance would not dial for the request itself (not loopback)."""
         if self._signer is None:
             return self._allow_unsigned_remote or is_loopback(params.host)

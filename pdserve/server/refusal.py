@@ -42,8 +42,7 @@ class EdgeRefusal:
     def __init__(self, state: ServerState, raw_params: Any) -> None:
         self.state = state
         self.source = _source(raw_params)
-        # decided now, before this request's own capability check records the capability as used
-        self.may_give_back = self.source is not None and state.kv_auth.may_give_back(self.source)
+        self.capability_used = False  # set when this request's own capability check passed (and used it up)
         self.engine_has_it = False  # set once the request is handed to the engine (its refusals are the engine's)
 
     def __enter__(self) -> EdgeRefusal:
@@ -56,8 +55,13 @@ class EdgeRefusal:
             self.give_back(f"{type(exc).__name__}: {exc}")
 
     def give_back(self, why: str) -> None:
+        """Decided now, not at arrival: a concurrent request that was admitted with the same capability since
+        owns the KV (its transfer ends the pin), so this one may give back only a capability it used itself or
+        one nobody has used."""
         source, engine = self.source, self.state.engine
-        if source is None or not self.may_give_back or not engine.is_ready:
+        if source is None or not engine.is_ready:
+            return
+        if not self.capability_used and not self.state.kv_auth.may_give_back(source):
             return
         what = source.request_id if isinstance(source, PullSource) else source.transfer_id
         log.info("refused a request carrying %s's coordinates (%s); its producer is told to free them", what, why)

@@ -96,16 +96,28 @@ def test_edge_refusal_gives_back_until_the_engine_has_the_request() -> None:
     assert st.engine.refused == [pull]
 
 
-def test_edge_refusal_decides_before_the_request_uses_its_capability() -> None:
-    """The capability check records the use (replay guard); a refusal after it (the 503 admission) still gives
-    back, since the guard decided before."""
+def test_edge_refusal_decides_at_its_refusal_who_owns_the_capability() -> None:
+    """A request whose own capability check passed (and used it up) and that is refused after it (the 503
+    admission) gives back. A second request with the same capability that arrived before the first one's check
+    and is refused after it (as a replay, or anything else) gives nothing back: the admitted one owns the KV."""
     auth = KVAuth(new_secret().encode())
     pull = signed_pull(auth)
     st = state(auth)
-    with pytest.raises(ApiError), EdgeRefusal(st, encode(pull)):
+    with pytest.raises(ApiError), EdgeRefusal(st, encode(pull)) as edge:
         auth.check(pull, TOKENS, {})
+        edge.capability_used = True
         raise ApiError(503, "busy")
     assert st.engine.refused == [pull]
+    st.engine.refused.clear()
+    again = auth.issue_pull(dataclasses.replace(SRC, request_id="req-2"), TOKENS, 30.0)  # two requests race
+    late = EdgeRefusal(st, encode(again))  # arrives first, checked second
+    with EdgeRefusal(st, encode(again)) as first:
+        auth.check(again, TOKENS, {})
+        first.capability_used = True
+        first.engine_has_it = True  # admitted: its transfer ends the pin
+    with pytest.raises(ApiError), late:
+        raise ApiError(403, "kv_capability was already used (replayed)")
+    assert st.engine.refused == []
 
 
 def test_a_body_that_failed_validation_gives_back_too() -> None:
