@@ -1,5 +1,6 @@
-"""What the instance server and the router share over HTTP: the request-id header, the error shape, noticing
-that a client went away, and the request-body size limit (who may call which route: credentials.py).
+"""What the instance server and the router share over HTTP: the request-id header, the error shape (Starlette's
+own errors in it too), noticing that a client went away, and the request-body size limit (who may call which
+route: credentials.py).
 
 Light on purpose (starlette and pydantic only): the router imports this and nothing of `pdserve.server`, and
 neither imports the engine or torch through it.
@@ -15,8 +16,9 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.credentials import INTERNAL_CALLER, Credentials, RouteRole
@@ -156,6 +158,16 @@ class RoleAuth:
         else:
             message = "missing or wrong API key (send Authorization: Bearer <key>)"
         await error_response(401, message)(scope, receive, send)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return error_response(exc.status_code, str(exc.detail))
+
+
+def install_http_error_handler(app: Starlette) -> None:
+    """Starlette's own HTTP errors (404 for an unknown path, 405 for a wrong method) in the OpenAI error shape."""
+    app.add_exception_handler(StarletteHTTPException, _http_error)
 
 
 def is_internal_caller(request: Request) -> bool:

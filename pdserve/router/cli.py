@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.auth import load_secret
     from pdserve.http_port import STARTUP_FAILURE, bind_port_zero
-    from pdserve.router.proxy import RouterConfig, build_app
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.proxy import build_app
     from pdserve.web import MAX_REQUEST_HEAD_BYTES
 
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pdserve.config import ConfigError
 from pdserve.engine.client import EngineClient, EngineInfo
 from pdserve.kv.capability import KVAuth
+from pdserve.server import metrics
 from pdserve.server.protocol import ApiError
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class ServerState:
         self.limits = limits
         self.epoch = uuid.uuid4().hex  # this process's identity: a router seeing another one knows it restarted
         self.num_inflight = 0  # requests admitted and not closed yet (event loop only)
-        self._served_model_names = served_model_names
+        self.served_model_names = served_model_names  # None: the model's own name
+        self.registry = metrics.make_registry(engine.stats)  # /metrics
         self.on_start_failure = on_start_failure
         self.start_error: BaseException | None = None
         self.start_thread: threading.Thread | None = None
@@ -75,7 +77,7 @@ class ServerState:
 
     @property
     def model_names(self) -> list[str]:
-        return self._served_model_names or [self.engine.info.model_name]
+        return self.served_model_names or [self.engine.info.model_name]
 
     def start_engine(self) -> None:
         """Body of the engine-start thread."""

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from pdserve.router.call import prefill_body
+from pdserve.router.config import RouterConfig
 from pdserve.router.policy import Pool
-from pdserve.router.proxy import RouterConfig
 
 
 def test_least_loaded_picks_the_idlest_and_rotates_ties() -> None:

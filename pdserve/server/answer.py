@@ -1,0 +1,90 @@
+"""One completion on the engine, answered as JSON or as a server-sent event stream (the body of both
+completion routes, routes.py): sampling parameters and KV coordinates are parsed and checked, the request is
+admitted (503 past the limit), run, and its output rendered (render.py)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pdserve.auth import AuthError
+from pdserve.engine.client import AddRequest
+from pdserve.kv.decode import decode
+from pdserve.kv.params import KVParamsError, PullSource, RemoteDecode
+from pdserve.openai_request import SamplingFields
+from pdserve.server.prepare import check_output_fits, sampling_params
+from pdserve.server.protocol import ApiError
+from pdserve.server.refusal import EdgeRefusal
+from pdserve.server.render import Kind, Renderer
+from pdserve.server.state import ServerState
+from pdserve.server.streams import RequestRun
+from pdserve.web import REQUEST_ID_HEADER, client_request_id, error_response
+
+
+async def answer(
+    state: ServerState,
+    kind: Kind,
+    body: SamplingFields,
+    model: str,
+    prompt_ids: list[int],
+    default_max_tokens: int | None,
+    request: Request,
+    edge: EdgeRefusal,
+) -> Response:
+    """Run one request on the engine and answer it, streaming or not (refused before the engine has it: `edge`
+    gives its transfer coordinates back)."""
+    engine = state.engine
+    params = sampling_params(body, len(prompt_ids), engine.info.max_model_len, default_max_tokens)
+    request_id = state.new_request_id()
+    client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+    try:
+        kv_params = decode(body.kv_transfer_params)  # parsed once, here; typed from now on
+    except KVParamsError as e:
+        raise ApiError(400, str(e)) from e
+    if isinstance(kv_params, RemoteDecode) and kv_params.decode_max_tokens is not None:
+        check_output_fits(len(prompt_ids), kv_params.decode_max_tokens, engine.info.max_model_len)
+    try:  # before anything is allocated or dialed: coordinates must have been issued for this prompt
+        state.kv_auth.check(kv_params, prompt_ids, engine.info.kv_transfer_info)
+    except AuthError as e:
+        raise ApiError(403, str(e)) from e
+    edge.capability_used = True  # (with a secret) used up by this request: giving it back is this request's
+    if isinstance(kv_params, PullSource) and kv_params.num_tokens < len(prompt_ids) - 1:
+        # D computes the last prompt token itself and receives the KV of all the others
+        raise ApiError(
+            400,
+            f"kv_transfer_params name KV for {kv_params.num_tokens} tokens; a prompt of {len(prompt_ids)} tokens "
+            f"needs {len(prompt_ids) - 1} (send the prompt the prefill instance computed)",
+        )
+    command = AddRequest(request_id, tuple(prompt_ids), params, kv_params, client_id)
+    state.admit()  # 503 when full
+    run = RequestRun(engine, command, request, state.limits.max_queue_wait_s)  # runs nothing until first()
+    run.on_close = state.release
+    edge.engine_has_it = True  # from here its refusal (generate() validates first) or abort is the engine's to report
+    renderer = Renderer(kind, request_id, model, prompt_ids, body.return_token_ids, body.include_usage)
+    headers = {REQUEST_ID_HEADER: client_id or request_id}
+    handed_over = False  # True once a streaming response owns `run` (it closes it)
+    try:
+        first = await run.first()  # bad input surfaces here, before any byte of the answer is sent
+        if body.stream:
+            events = renderer.events(run, first)
+            handed_over = True
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers=headers, background=BackgroundTask(run.close)
+            )
+        out = await run.final()
+        if out is not None and out.finish_reason == "abort" and out.released:
+            # the router released this prefill (POST /kv_transfer/release: its client or decode leg is gone) and
+            # may close this connection at the same moment: a 499 either way, whichever P notices first
+            run.status = 499
+            return error_response(
+                499, f"request {request_id} was released (POST /kv_transfer/release) before its prefill finished"
+            )
+        if out is None or not out.finished or out.finish_reason in ("error", "abort"):
+            run.status = 500
+            message = (out.error if out is not None else None) or f"request {request_id} was aborted by the engine"
+            return error_response(500, message)
+        return JSONResponse(renderer.response(out), headers=headers)
+    finally:
+        if not handed_over:
+            await run.close()
