@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 from helpers import Launcher, Proc, post, wait_idle
+from stub_backend import StubBackend, error_payload
 
 from pdserve.bench.procs import free_ports
 
@@ -83,61 +81,18 @@ def test_backend_4xx_passes_through(launcher: Launcher, backend: Proc) -> None:
     assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "llama"
 
 
-class _StubPrefill(ThreadingHTTPServer):
-    """A push-mode prefill that advertises a side channel which accepts connections and never answers, and
-    fails every completion after `delay_s` with a 500: the router must cancel the decode leg and say so."""
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-        self.side_channel = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
-        super().__init__(("127.0.0.1", 0), _StubHandler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _StubHandler(BaseHTTPRequestHandler):
-    server: _StubPrefill
-
-    def _json(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        info = {
-            "engine_id": "stub-prefill",
-            "side_channel_host": "127.0.0.1",
-            "side_channel_port": self.server.side_channel.getsockname()[1],
-            "tp_size": 1,
-            "block_size": 16,
-            "transfer_mode": "push",
-            "kv_role": "prefill",
-        }
-        self._json(200, info if self.path == "/kv_transfer/info" else {"status": "ok"})
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
-        time.sleep(self.server.delay_s)
-        self._json(500, {"error": {"message": "prefill exploded", "type": "internal_server_error", "code": 500}})
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
-def stub_prefill() -> Iterator[_StubPrefill]:
-    """A new stub per test: a new side-channel address, so D's handshake with it starts afresh (and takes
-    longer than the stub's 1.5 s to fail)."""
-    stub = _StubPrefill(delay_s=1.5)
-    threading.Thread(target=stub.serve_forever, name="stub-prefill", daemon=True).start()
-    try:
-        yield stub
-    finally:
-        stub.shutdown()
-        stub.server_close()
-        stub.side_channel.close()
+def stub_prefill() -> Iterator[StubBackend]:
+    """A push-mode prefill that advertises a side channel which accepts connections and never answers, and fails
+    every completion after 1.5 s with a 500: the router must cancel the decode leg and say so. A new stub per
+    test: a new side-channel address, so D's handshake with it starts afresh (and takes longer than 1.5 s to
+    fail)."""
+    with socket.create_server(("127.0.0.1", 0)) as side_channel:  # accepts (backlog), never answers
+        info = {"engine_id": "stub-prefill", "side_channel_host": "127.0.0.1",
+                "side_channel_port": side_channel.getsockname()[1], "tp_size": 1, "block_size": 16,
+                "transfer_mode": "push", "kv_role": "prefill"}  # fmt: skip
+        with StubBackend(lambda: info, lambda path: (500, error_payload(500, "prefill exploded")), 1.5) as stub:
+            yield stub
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +104,7 @@ def push_decode(launcher: Launcher, tiny_llama: Path) -> Proc:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_push_prefill_failure_cancels_decode(
-    launcher: Launcher, stub_prefill: _StubPrefill, push_decode: Proc, stream: bool
+    launcher: Launcher, stub_prefill: StubBackend, push_decode: Proc, stream: bool
 ) -> None:
     router = _router(launcher, "push", stub_prefill.url, push_decode.url)
     request_id = f"doomed-{uuid.uuid4().hex}"

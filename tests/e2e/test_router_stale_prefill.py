@@ -10,16 +10,12 @@ the health poll is slowed to a minute, so only the retry can save the request.
 from __future__ import annotations
 
 import itertools
-import json
-import threading
-import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import Launcher, Proc, post, wait_idle
+from stub_backend import StubBackend, error_payload
 
 from pdserve.auth import new_secret
 
@@ -68,50 +64,14 @@ def post_get(proc: Proc, path: str) -> dict[str, Any]:
     return r.json()
 
 
-class _Stub(BaseHTTPRequestHandler):
-    """P: /kv_transfer/info names engine `engine_ids()` (next on each GET), every completion is P's 403 for a
-    capability that does not match it; D: every completion a 500 after 3 s (so P's refusal comes first)."""
-
-    server: _StubServer
-
-    def _json(self, status: int, payload: dict[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        info = {"engine_id": next(self.server.engine_ids), "side_channel_host": "127.0.0.1",
-                "side_channel_port": 9, "tp_size": 1, "transfer_mode": "push", "kv_role": "prefill"}  # fmt: skip
-        self._json(200, info if self.path == "/kv_transfer/info" else {"status": "ok"})
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self.server.num_legs += self.path == "/v1/completions"  # not the router's releases
-        if self.server.is_prefill:
-            message = "kv_capability does not match the push coordinates (forged or altered)"
-            self._json(403, {"error": {"message": message, "type": "permission_error", "code": 403}})
-        else:
-            time.sleep(3)
-            self._json(500, {"error": {"message": "decode gave up", "type": "internal_server_error", "code": 500}})
-
-    def log_message(self, *args: object) -> None:
-        pass
+def push_info(engine_id: str) -> dict[str, Any]:
+    return {"engine_id": engine_id, "side_channel_host": "127.0.0.1", "side_channel_port": 9, "tp_size": 1,
+            "transfer_mode": "push", "kv_role": "prefill"}  # fmt: skip
 
 
-class _StubServer(ThreadingHTTPServer):
-    def __init__(self, is_prefill: bool, engine_ids: Iterator[str]) -> None:
-        super().__init__(("127.0.0.1", 0), _Stub)
-        self.is_prefill = is_prefill
-        self.engine_ids = engine_ids
-        self.num_legs = 0
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+def p_refuses(path: str) -> tuple[int, dict[str, Any]]:
+    """P's 403 for a capability that does not match its coordinates."""
+    return 403, error_payload(403, "kv_capability does not match the push coordinates (forged or altered)")
 
 
 @pytest.mark.parametrize("restarting", [True, False])
@@ -120,8 +80,12 @@ def test_a_refusal_that_is_no_stale_route_is_never_a_403(launcher: Launcher, res
     again during the retry (restarting) is a 503 with Retry-After; one whose coordinates did not change holds
     another secret than the router, a 502 naming the prefill leg. Neither is a 403 (the client did nothing)."""
     ids = (f"p-{i}" for i in itertools.count()) if restarting else itertools.repeat("p-same")
-    p, d = _StubServer(True, ids), _StubServer(False, itertools.repeat("unused"))
-    try:
+    # P: its /kv_transfer/info names engine next(ids) on each GET, every completion is its 403; D: every
+    # completion a 500 after 3 s (so P's refusal comes first)
+    with (
+        StubBackend(lambda: push_info(next(ids)), p_refuses) as p,
+        StubBackend(lambda: push_info("unused"), lambda path: (500, error_payload(500, "decode gave up")), 3.0) as d,
+    ):
         router = launcher.proxy("push", [p.url], [d.url], "--health-interval-s", "60", ready_statuses=(200, 503))
         launcher.wait_ready()
         r = post(router.url, "/v1/completions", completion("hello"))
@@ -133,7 +97,3 @@ def test_a_refusal_that_is_no_stale_route_is_never_a_403(launcher: Launcher, res
             assert r.status_code == 502 and error["type"] == "bad_gateway", r.text
             assert "refused the router's push capability" in error["message"] and p.num_legs == 1
             assert "--kv-auth-secret" in error["message"]
-    finally:
-        for stub in (p, d):
-            stub.shutdown()
-            stub.server_close()
