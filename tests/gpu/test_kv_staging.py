@@ -4,16 +4,11 @@ for the transferred tokens and nothing else may change."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))  # harness.py, also for the spawned children
-
-from harness import Instance, close_all, expected_kv, push_params, start_all  # noqa: E402
+from pdserve.testing.transfer_pair import Instance, close_all, expected_kv, push_params, start_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

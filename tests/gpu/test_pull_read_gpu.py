@@ -5,15 +5,10 @@ them; netdev.enable_cuda_ipc_get). Seen on one H200: 1.4 GB READs of 2.5-3 s and
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))  # harness.py, also for the spawned children
-
-from harness import Instance, close_all, events, start_all  # noqa: E402
+from pdserve.testing.transfer_pair import Instance, close_all, events, start_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -6,8 +6,8 @@ checksum is refused at the handshake naming both settings. TP is covered end to 
 
 import numpy as np
 import pytest
-from harness import Instance, close_all, expected_kv, push_params, start_all
 
+from pdserve.testing.transfer_pair import Instance, close_all, expected_kv, push_params, start_all
 from pdserve.transfer.faults import Faults
 
 FLIP = Faults(flip_kv_byte=True)

@@ -1,7 +1,7 @@
 """The fault suite (issue 12): every fault ends each request in the right bytes or a clear failure — never
 wrong bytes reported as received — and every survivor lets go of its blocks (P: one finished send per pin;
-D: exactly one recv result) within seconds. Connector pairs in real processes (harness.py), faults through
-the test-only Faults object; instances are shared by the module, ids are unique per test."""
+D: exactly one recv result) within seconds. Connector pairs in real processes (pdserve/testing/transfer_pair.py),
+faults through the test-only Faults object; instances are shared by the module, ids are unique per test."""
 
 import os
 import signal
@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import pytest
-from harness import Instance, close_all, expected_kv, push_params, start_all
 
+from pdserve.testing.transfer_pair import Instance, close_all, expected_kv, push_params, start_all
 from pdserve.transfer.faults import Faults
 
 TIMEOUT = 1.0  # peer_timeout_s of the faulted instances (heartbeat_s 0.25)

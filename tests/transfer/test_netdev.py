@@ -7,8 +7,8 @@ import subprocess
 import time
 
 import pytest
-from harness import Instance
 
+from pdserve.testing.transfer_pair import Instance
 from pdserve.transfer.thread.netdev import (
     UCX_CUDA_IPC_GET,
     advertised_address,

@@ -6,7 +6,8 @@ import time
 
 import numpy as np
 import pytest
-from harness import Instance, close_all, expected_kv, start_all
+
+from pdserve.testing.transfer_pair import Instance, close_all, expected_kv, start_all
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 import pytest
-from harness import Instance, close_all, events, expected_kv, push_params, start_all
 
+from pdserve.testing.transfer_pair import Instance, close_all, events, expected_kv, push_params, start_all
 from pdserve.transfer.faults import Faults
 
 DELAY = 0.3  # the test-only fault delays

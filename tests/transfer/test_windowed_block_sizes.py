@@ -11,8 +11,8 @@ cache (tests/unit/test_scheduler_windowed.py). Nothing is padded (layout.pad_las
 
 import numpy as np
 import pytest
-from harness import Instance, close_all, expected_kv, push_params, start_all
 
+from pdserve.testing.transfer_pair import Instance, close_all, expected_kv, push_params, start_all
 from pdserve.transfer.faults import Faults
 
 WINDOWS = (None, None, 8, 8)  # per model layer: group 0 = layers 0-1 (full), group 1 = layers 2-3 (window 8)

@@ -1,0 +1,1 @@
+"""Drivers for pdserve's tests and benchmarks; nothing in the product imports this package."""
