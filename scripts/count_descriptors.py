@@ -24,12 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, when pdserve is not installed
-
-from pdserve.kv.geometry import CacheGeometry  # noqa: E402
-from pdserve.transfer import layout as new_layout  # noqa: E402
-from pdserve.transfer.base import KVCacheSpec  # noqa: E402
-from pdserve.transfer.heads import rank_heads, sources  # noqa: E402
+from pdserve.kv.geometry import CacheGeometry
+from pdserve.transfer import layout as new_layout
+from pdserve.transfer.base import KVCacheSpec
+from pdserve.transfer.heads import rank_heads, sources
 
 LAYERS, KV_HEADS, HEAD_DIM, ELEM, BLOCK = 64, 8, 128, 2, 16  # Qwen3-32B, bf16
 MAPPINGS = [(8, 4), (2, 1), (1, 2), (8, 8), (1, 1)]  # (P TP, D TP)
