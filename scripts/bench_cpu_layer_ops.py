@@ -1,4 +1,4 @@
-"""The fused CPU layer ops (model/cpu_layer_ops.py) against the portable torch ops, A/B in one process.
+"""The fused CPU layer ops (model/cpu/layer_ops.py) against the portable torch ops, A/B in one process.
 
     .venv/bin/python scripts/bench_cpu_layer_ops.py [--threads 2] [--rounds 7]
 
@@ -39,13 +39,13 @@ def report(name: str, samples: dict[str, list[float]], unit: float, label: str) 
 
 
 def bare_ops(rows: int, rounds: int) -> None:
-    from pdserve.model import cpu_attention
-    from pdserve.model import cpu_layer_ops as ops
+    from pdserve.model.cpu import kernels as cpu_kernels
+    from pdserve.model.cpu import layer_ops as ops
     from pdserve.model.decoder_layer import RMSNorm
     from pdserve.model.paged import layer_view, write_kv
     from pdserve.model.rotary import apply_rope
 
-    lib = cpu_attention.decode_kernel()
+    lib = cpu_kernels.library()
     assert lib is not None
     hidden, heads, kv_heads, hd, inter = 576, 9, 3, 64, 1536
     norm = RMSNorm(hidden, 1e-5)

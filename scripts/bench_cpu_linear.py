@@ -1,5 +1,5 @@
 """CPU linears: F.linear (column-major weights, as the engine stores them) vs the packed copies of
-model/cpu_linear.py (MKL's packed GEMM, oneDNN's prepacked linear, and the column panels of csrc/small_gemm.c),
+model/cpu/linear.py (MKL's packed GEMM, oneDNN's prepacked linear, and the column panels of csrc/small_gemm.c),
 over 30 layers of the built-in model's linear shapes streamed from memory (as a step reads them; one layer's
 weights alone would sit in cache), at rising row counts: decode batches up to prefill chunks. Each point is
 measured in interleaved rounds (every variant once per round) and the median of rounds is reported.
@@ -42,9 +42,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from pdserve.model import cpu_attention, cpu_linear
+    from pdserve.model.cpu import kernels as cpu_kernels
+    from pdserve.model.cpu import linear as cpu_linear
 
-    lib, mkl = cpu_attention.decode_kernel(), cpu_linear.mkl_packed_gemm()
+    lib, mkl = cpu_kernels.library(), cpu_linear.mkl_packed_gemm()
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=gen).t().contiguous().t() for n, k in SHAPES] for _ in range(LAYERS)]
     nbytes = sum(w.numel() * 4 for layer in weights for w in layer)
@@ -60,8 +61,7 @@ def main() -> None:
         if mkl is None:
             raise SystemExit("this torch build has no MKL packed GEMM")
         for hint in (int(h) for h in args.hints.split(",")):
-            cpu_linear.PACK_ROWS_HINT = hint
-            variants[f"mkl@{hint}"] = packed_with(cpu_linear.PackedLinears("mkl", None, mkl))
+            variants[f"mkl@{hint}"] = packed_with(cpu_linear.PackedLinears("mkl", None, mkl, rows_hint=hint))
     else:
         variants["F.linear"] = None
         if mkl is not None:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import cpu_attention
+from pdserve.model.cpu import attention as cpu_attention
+from pdserve.model.cpu import kernels as cpu_kernels
 
 
 def _median_ms(fn: Callable[[], object], reps: int, clock: Callable[[], float]) -> float:
@@ -38,7 +39,7 @@ def attention_alone(
     heads: int, kv_heads: int, head_dim: int, length: int, rounds: int, clock: Callable[[], float]
 ) -> dict[str, float]:
     """One layer's causal attention over `length` tokens: kernel vs SDPA (GQA, no K/V copy), ms by `clock`."""
-    lib = cpu_attention.decode_kernel()
+    lib = cpu_kernels.library()
     assert lib is not None, "the CPU kernel library did not build"
     bs = 16
     nb = -(-length // bs)
@@ -78,7 +79,7 @@ def engine_ttft(llm, length: int, rounds: int) -> dict[str, float]:
     params = SamplingParams.greedy(1, ignore_eos=True)
 
     def one(kernel: bool) -> float:
-        cpu_attention.use_prefill_kernel = kernel
+        llm.engine.runner.decoder.use_cpu_prefill_kernel = kernel
         prompt = torch.randint(0, llm.engine.vocab_size, (length,), generator=gen).tolist()
         out = llm.generate([prompt], params)[0]
         return (out.timeline["first_token"] - out.timeline["arrival"]) * 1e3
@@ -88,7 +89,7 @@ def engine_ttft(llm, length: int, rounds: int) -> dict[str, float]:
     for _ in range(rounds):
         res["kernel"].append(statistics.median(one(True) for _ in range(3)))
         res["sdpa"].append(statistics.median(one(False) for _ in range(3)))
-    cpu_attention.use_prefill_kernel = True
+    llm.engine.runner.decoder.use_cpu_prefill_kernel = True
     out = {name: statistics.median(v) for name, v in res.items()}
     return {**out, "sdpa_over_kernel": out["sdpa"] / out["kernel"]}
 

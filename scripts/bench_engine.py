@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python scripts/bench_engine.py [--model smollm2-135m] [--input-len 512] [--output-len 64]
 Prints a table (TTFT at batch 1, decode tok/s at batch 1, end-to-end tok/s with 8 prompts) and writes JSON.
-pdserve runs twice per round: with its CPU decode kernel (model/cpu_attention.py) and with the portable
+pdserve runs twice per round: with its CPU decode kernel (model/cpu/attention.py) and with the portable
 gather-and-matmul attention (`portable` column), so the kernel's gain is a ratio taken in the same run.
 """
 

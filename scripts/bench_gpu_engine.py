@@ -167,7 +167,7 @@ def _component_times(eng, ctx: int, detail: dict) -> None:
     """Batch-1 pieces: each weight's GEMV (achieved GB/s), the decode attention kernel at ctx tokens."""
     from triton.testing import do_bench
 
-    from pdserve.model.cuda_attention import decode_attention
+    from pdserve.model.cuda.attention import decode_attention
     from pdserve.model.paged import DecodeBatch, cache_block_size, layer_view
 
     dec = eng.runner.decoder

@@ -4,7 +4,7 @@ at long inputs, and KV bytes held per request against a full-attention model of 
     python scripts/bench_swa_gpu.py [--model gemma3-12b] [--input-lens 4096,16384] [--batch 1] [--eager]
                                     [--out swa_gpu.json]
 
-Dummy bf16 weights. Windowed layers run the CUDA path (model/cuda_attention.py: the Triton decode kernel reads
+Dummy bf16 weights. Windowed layers run the CUDA path (model/cuda/attention.py: the Triton decode kernel reads
 only the window's pages; tiled band prefill) and decode steps replay CUDA graphs (one context per KV group).
 decode_ms_per_token is one step's time (for --batch sequences together), graphs on; with --eager the same
 with graphs off (runner.graphs = None), so the two show what the graphs save. KV bytes: every layer holding

@@ -13,7 +13,7 @@ On CUDA (fused decoder) steps whose rows are all single-token decodes replay a c
 its captured decode kernel stays valid); everything else runs eagerly. Both give the same tokens.
 
 CUDA graphs with tensor parallelism: every rank captures the same buckets in the same order over its own KV
-slice, the NCCL all-reduces inside each captured step included (model/nccl.py: a communicator of our own on
+slice, the NCCL all-reduces inside each captured step included (model/cuda/nccl.py: a communicator of our own on
 the current stream). Rank 0 captures after TPGroup.wait_ready() and the other ranks right after saying ready,
 so the captures' collectives meet. Whether a step replays a graph (and which bucket) is a function of the
 chunks alone (DecodeGraphs.can_run), and every rank gets the same chunks in the plan, so every rank replays
@@ -30,7 +30,7 @@ import torch
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.engine.tp.step_plan import Chunk, StepPlan, plan_of
-from pdserve.model import cpu_attention
+from pdserve.model.cpu import kernels as cpu_kernels
 from pdserve.model.decoder import Decoder
 from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, cache_block_size
 
@@ -70,7 +70,7 @@ class ModelRunner:
         self.ranks = ranks
         self.graphs: DecodeGraphs | None = None  # CUDA only: captured decode steps
         if device.type == "cpu" and decoder.use_cpu_kernel:
-            cpu_attention.decode_kernel()  # build it now (seconds, once per machine), not in the first step
+            cpu_kernels.library()  # build it now (seconds, once per machine), not in the first step
         if use_cuda_graphs and decoder.uses_fused_kernels(device):
             from pdserve.engine.cuda_graphs import DecodeGraphs, max_blocks_per_seq
 

@@ -1,5 +1,5 @@
-"""Attention over the paged KV cache (portable torch path: CPU and CUDA; CUDA fast path in cuda_attention.py,
-CPU decode kernel in cpu_attention.py).
+"""Attention over the paged KV cache (portable torch path: CPU and CUDA; CUDA fast path in cuda/attention.py,
+CPU kernels in cpu/attention.py).
 
 The batch description (AttentionContext) and the cache views (layer_view, write_kv) live in paged.py, which
 both attention paths import.
@@ -12,7 +12,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import cpu_attention
+from pdserve.model.cpu import attention as cpu_attention
+from pdserve.model.cpu import kernels as cpu_kernels
 from pdserve.model.paged import AttentionContext, DecodeBatch, gather_rows
 
 
@@ -39,6 +40,7 @@ def paged_attention(
     v: torch.Tensor | None = None,
     window: int | None = None,  # sliding window: keys a query sees, itself included; None = whole context
     cpu_kernel: bool = True,  # False: CPU decode rows take the portable torch path (tests and benchmarks compare)
+    cpu_prefill_kernel: bool = True,  # False: CPU prefill spans take torch's SDPA (scripts/bench_cpu_prefill.py)
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached context; returns [T, num_heads, head_dim].
 
@@ -47,14 +49,14 @@ def paged_attention(
     layer's older blocks may have been freed and reused (kv/groups.py), their table entries stale.
 
     On CUDA with k and v given (and Triton present), every layer, windowed or not, dispatches to
-    cuda_attention.paged_attention_cuda (the same function: tiled flash prefill, a Triton decode kernel that
+    cuda/attention.paged_attention_cuda (the same function: tiled flash prefill, a Triton decode kernel that
     starts at the window). On the CPU (float32, C compiler present) decode rows, windowed or not, take
-    cpu_attention's in-place decode kernel, and prefill spans (whole prompts, later chunks, prefix hits) its
+    cpu/attention.py's in-place decode kernel, and prefill spans (whole prompts, later chunks, prefix hits) its
     in-place prefill kernel when head_dim is a multiple of its panel width (csrc/paged_prefill.c, faster than
     torch's fused SDPA: docs/benchmarks.md); everything else takes the portable torch code below.
     """
     if k is not None and v is not None and cuda_kernels_usable(q.device, q.shape[-1]):
-        from pdserve.model.cuda_attention import paged_attention_cuda
+        from pdserve.model.cuda.attention import paged_attention_cuda
 
         return paged_attention_cuda(q, k, v, layer_cache, ctx, scale, window)
     all_decode = ctx.decode is not None and ctx.decode.rows_are_all
@@ -63,8 +65,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     k_cache, v_cache = layer_cache[0], layer_cache[1]
     bs = ctx.block_size
-    lib = cpu_attention.decode_kernel() if cpu_kernel and cpu_attention.fits(q, k_cache, v_cache) else None
-    prefill_lib = lib if lib is not None and cpu_attention.prefill_fits(q) else None
+    lib = cpu_kernels.library() if cpu_kernel and cpu_attention.fits(q, k_cache, v_cache) else None
+    prefill_lib = lib if lib is not None and cpu_prefill_kernel and cpu_attention.prefill_fits(q) else None
     for span in ctx.prefills:
         rows = slice(span.query_start, span.query_start + span.num_query)
         if prefill_lib is not None:

@@ -8,19 +8,19 @@ scale, query_pre_attn_scalar, a local rotary base for windowed layers and final 
 stored fused (qkv, gate_up) and loaded from Hugging Face names (model/checkpoint.py).
 
 On CUDA (with Triton) forward() takes the fused path: add+RMSNorm, q/k-norm+rotary+KV store and SiLU- (or
-GELU-tanh-) and-mul as single Triton kernels (cuda_kernels.py), flash prefill and a paged-decode kernel
-(cuda_attention.py), windowed layers included (the kernels take the layer's window); the same weights and the
+GELU-tanh-) and-mul as single Triton kernels (cuda/kernels.py), flash prefill and a paged-decode kernel
+(cuda/attention.py), windowed layers included (the kernels take the layer's window); the same weights and the
 same function, about 10 launches per layer instead of ~60. Gemma 3's deltas there: its sandwich norms are
 plain add+RMSNorm launches (the (1 + weight) is folded at load), GELU-tanh in the act-and-mul kernel, the
 local layers' rotary table, the embedding scale (embed()) and softcapping (logits()), both shared with the
 portable path. `Decoder.use_fused_kernels = False` forces the portable path (benchmarks compare the two);
-its attention still takes cuda_attention on CUDA.
+its attention still takes cuda/attention.py on CUDA.
 
-On the CPU (float32) forward() takes cpu_layer.forward_cpu for every layer when the C kernel library is built
-(cpu_attention.py, built on first use): add+RMSNorm, q/k-norm+rotary+KV store and SiLU- (or GELU-tanh-) and-mul
-as one C/OpenMP pass each (cpu_layer_ops.py), and decode rows read the paged cache in place. Without the library:
+On the CPU (float32) forward() takes cpu/layer.forward_cpu for every layer when the C kernel library is built
+(cpu/kernels.py, built on first use): add+RMSNorm, q/k-norm+rotary+KV store and SiLU- (or GELU-tanh-) and-mul
+as one C/OpenMP pass each (cpu/layer_ops.py), and decode rows read the paged cache in place. Without the library:
 the portable torch ops and gather-and-matmul attention. `Decoder.use_cpu_kernel = False` forces the portable
-path there.
+path there; `use_cpu_prefill_kernel = False` sends prefill spans to torch's SDPA instead of the C kernel.
 
 The layer itself (its weights, portable and fused CUDA forward) is decoder_layer.py; rotary embedding is rotary.py.
 """
@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kv.groups import KVGroups
-from pdserve.model import cpu_attention
-from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import cuda_kernels_usable
-from pdserve.model.cpu_layer import forward_cpu
-from pdserve.model.cpu_linear import (
+from pdserve.model.cpu import kernels as cpu_kernels
+from pdserve.model.cpu import layer_ops as cpu_ops
+from pdserve.model.cpu.layer import forward_cpu
+from pdserve.model.cpu.linear import (
     PACK_MAX_BYTES,
     PackedLinears,
     gemm_library,
@@ -82,10 +82,12 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         self.register_buffer("inv_freq_local", rope_inv_freq(arch, local=True), persistent=False)
         self.use_fused_kernels = True  # on CUDA: the Triton/flash path (see the module docstring)
-        self.use_cpu_kernel = True  # on the CPU: decode attention through cpu_attention's C kernel
-        self.use_cpu_layer_ops = True  # on the CPU: cpu_layer.forward_cpu's fused small ops (needs use_cpu_kernel too;
-        # False keeps the attention kernel and takes the portable small ops: benchmarks compare the two)
-        self.cpu_linears: PackedLinears | None = None  # on the CPU: packed linear weights (cpu_linear.py;
+        self.use_cpu_kernel = True  # on the CPU: decode attention through cpu/attention.py's C kernel
+        self.use_cpu_prefill_kernel = True  # on the CPU: prefill spans through its C kernel (needs use_cpu_kernel
+        # too; False: torch's SDPA, scripts/bench_cpu_prefill.py compares the two)
+        self.use_cpu_layer_ops = True  # on the CPU: cpu/layer.forward_cpu's fused small ops (needs use_cpu_kernel
+        # too; False keeps the attention kernel and takes the portable small ops: benchmarks compare the two)
+        self.cpu_linears: PackedLinears | None = None  # on the CPU: packed linear weights (cpu/linear.py;
         # pack_cpu_linears builds it after loading; None = F.linear throughout)
         # fused path: cos/sin per position (global rotary, gemma's local rotary), built on first use
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -132,15 +134,18 @@ class Decoder(nn.Module):
         local = cos_sin(positions, self.inv_freq_local, x.dtype) if self.arch.local_rope_theta else None
         caches = self._layer_caches(kv_cache, ctx)
         lib = self._cpu_library(x, caches[0][0]) if caches else None
-        if lib is not None:  # CPU float32: the layers' small ops fused (cpu_layer_ops.py)
+        prefill_kernel = self.use_cpu_prefill_kernel
+        if lib is not None:  # CPU float32: the layers' small ops fused (cpu/layer_ops.py)
             residual: torch.Tensor | None = None
             for layer, (cache, layer_ctx) in zip(self.decoder_layers, caches, strict=True):
                 c, s = local if layer.local_rope and local is not None else (cos, sin)
-                x, residual = forward_cpu(layer, lib, x, residual, c, s, cache, layer_ctx, self.cpu_linears)
+                x, residual = forward_cpu(
+                    layer, lib, x, residual, c, s, cache, layer_ctx, self.cpu_linears, prefill_kernel
+                )
             return cpu_ops.add_rmsnorm(lib, x, residual, self.norm.weight, self.norm.eps)[0]
         for layer, (cache, layer_ctx) in zip(self.decoder_layers, caches, strict=True):
             c, s = local if layer.local_rope and local is not None else (cos, sin)
-            x = layer(x, c, s, cache, layer_ctx, self.use_cpu_kernel)
+            x = layer(x, c, s, cache, layer_ctx, self.use_cpu_kernel, prefill_kernel)
         return self.norm(x)
 
     def _cpu_library(self, x: torch.Tensor, layer_cache: torch.Tensor) -> ctypes.CDLL | None:
@@ -149,7 +154,7 @@ class Decoder(nn.Module):
         wanted = self.use_cpu_kernel and self.use_cpu_layer_ops
         if not wanted or not cpu_ops.fits(x, layer_cache, self.arch.head_dim):
             return None
-        return cpu_attention.decode_kernel()
+        return cpu_kernels.library()
 
     def _forward_fused(
         self,
@@ -158,7 +163,7 @@ class Decoder(nn.Module):
         kv_cache: torch.Tensor,
         ctx: AttentionContext | Sequence[AttentionContext],
     ) -> torch.Tensor:
-        from pdserve.model.cuda_kernels import add_rmsnorm, rope_cos_sin
+        from pdserve.model.cuda.kernels import add_rmsnorm, rope_cos_sin
 
         if self._rope_tables is None or self._rope_tables[0].device != input_ids.device:
             n = self.arch.max_position_embeddings
@@ -214,13 +219,13 @@ def use_column_major_linears(decoder: Decoder) -> None:
 
 @torch.no_grad()
 def pack_cpu_linears(decoder: Decoder) -> None:
-    """Give a float32 CPU decoder packed copies of its layers' linear weights and of its LM head (cpu_linear.py says
-    why and what it measured, and which library packs on which CPU); nothing when no library can pack, or the
-    weights are too large to duplicate (cpu_linear.PACK_MAX_BYTES)."""
+    """Give a float32 CPU decoder packed copies of its layers' linear weights and of its LM head (cpu/linear.py
+    says why and what it measured, and which library packs on which CPU); nothing when no library can pack, or
+    the weights are too large to duplicate (cpu/linear.PACK_MAX_BYTES)."""
     head = decoder.embed_tokens.weight if decoder.lm_head is None else decoder.lm_head.weight
     if head.dtype != torch.float32 or head.device.type != "cpu":
         return
-    library, lib = gemm_library(), cpu_attention.decode_kernel()
+    library, lib = gemm_library(), cpu_kernels.library()
     if lib is None:  # no compiler: the packed GEMM alone, if any
         library = library_parts(library)[1]
     copies = sum(map(bool, library_parts(library)))  # the panels' and the packed GEMM's

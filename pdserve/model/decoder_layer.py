@@ -1,6 +1,6 @@
 """One decoder layer (attention + MLP) and its RMSNorm, with the portable torch forward and the fused CUDA one.
 
-The CPU float32 path of the same layer is cpu_layer.forward_cpu; the decoder (decoder.py) stacks the layers,
+The CPU float32 path of the same layer is cpu/layer.forward_cpu; the decoder (decoder.py) stacks the layers,
 embeds, and picks the path per step. Lives apart from decoder.py so that each file is one level of the model:
 the layer's weights and math here, the stack, embedding, logits and path choice there.
 """
@@ -70,7 +70,8 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
         ctx: AttentionContext,
-        cpu_kernel: bool = True,  # CPU decode rows through cpu_attention's kernel when it is built
+        cpu_kernel: bool = True,  # CPU decode rows through cpu/attention.py's kernel when it is built
+        cpu_prefill_kernel: bool = True,  # CPU prefill spans through its prefill kernel (with cpu_kernel)
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
@@ -84,7 +85,7 @@ class DecoderLayer(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         write_kv(layer_cache, k, v, ctx.slot_mapping)
-        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window, cpu_kernel)
+        attn = paged_attention(q, layer_cache, ctx, self.scale, k, v, self.window, cpu_kernel, cpu_prefill_kernel)
         o = self.reduce(self.o_proj(attn.reshape(t, self.q_size)))
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             x = x + o
@@ -100,13 +101,13 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, hidden]: the previous layer's output (before its residual add)
         residual: torch.Tensor | None,  # [T, hidden]: the residual stream, None before the first layer
         positions: torch.Tensor,  # [T] int64
-        cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2] float32 (cuda_kernels.rope_cos_sin)
+        cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2] float32 (cuda/kernels.rope_cos_sin)
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
         ctx: AttentionContext,
         gemv: bool = False,  # one row: linear layers through the Triton GEMV instead of cuBLAS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The CUDA path of forward(): returns (this layer's MLP output, residual stream); their sum is forward()'s."""
-        from pdserve.model import cuda_kernels as ck
+        from pdserve.model.cuda import kernels as ck
 
         def linear(layer: nn.Linear, inp: torch.Tensor) -> torch.Tensor:
             return ck.gemv(inp, layer.weight, layer.bias) if gemv else layer(inp)

@@ -124,7 +124,7 @@ class ProcessGroupCollectives:
 
 
 class NcclCollectives:
-    """CUDA: the decoder's collectives on an NCCL communicator of the instance's own (model/nccl.py), launched on
+    """CUDA: the decoder's collectives on an NCCL communicator of the instance's own (model/cuda/nccl.py), launched on
     the current stream so that a CUDA graph captures them. The process group is used once, to hand rank 0's
     NCCL unique id to every rank. all_gather_last is an all-reduce of a zeroed [size, ..., n] buffer holding
     this rank's part (size x the bytes of a true gather; it runs only on the sampled rows' logits)."""
@@ -132,7 +132,7 @@ class NcclCollectives:
     def __init__(self, size: int, rank: int, device: torch.device) -> None:
         import torch.distributed as dist
 
-        from pdserve.model.nccl import NCCL_UNIQUE_ID_BYTES, NcclComm
+        from pdserve.model.cuda.nccl import NCCL_UNIQUE_ID_BYTES, NcclComm
 
         self.size, self.rank = size, rank
         uid = torch.zeros(NCCL_UNIQUE_ID_BYTES, dtype=torch.uint8, device=device)
@@ -147,7 +147,7 @@ class NcclCollectives:
         return x
 
     def abort(self) -> None:
-        """A rank died: end this rank's pending collectives (model/nccl.py); later ones raise."""
+        """A rank died: end this rank's pending collectives (model/cuda/nccl.py); later ones raise."""
         self._comm.abort()
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ def _norm(weight: torch.Tensor) -> RMSNorm:
 
 
 def test_add_rmsnorm_and_silu_match_torch() -> None:
-    from pdserve.model import cuda_kernels as ck
+    from pdserve.model.cuda import kernels as ck
 
     x, r = torch.randn(2, 37, 4096, device="cuda", dtype=BF16).unbind(0)
     w = (1 + 0.1 * torch.randn(4096, device="cuda")).to(BF16)
@@ -49,7 +49,7 @@ def test_add_rmsnorm_and_silu_match_torch() -> None:
 
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qkv_rope_store_matches_torch(qk_norm: bool) -> None:
-    from pdserve.model import cuda_kernels as ck
+    from pdserve.model.cuda import kernels as ck
 
     h, hkv, d, t, bs, nb = 32, 8, 128, 19, 16, 8
     qkv = torch.randn(t, (h + 2 * hkv) * d, device="cuda", dtype=BF16)
@@ -80,7 +80,7 @@ def test_qkv_rope_store_matches_torch(qk_norm: bool) -> None:
 
 @pytest.mark.parametrize("heads", [(32, 8, 128), (16, 8, 128), (8, 1, 64), (4, 4, 32)])
 def test_decode_attention_matches_portable(heads: tuple[int, int, int]) -> None:
-    from pdserve.model.cuda_attention import decode_attention
+    from pdserve.model.cuda.attention import decode_attention
 
     h, hkv, d = heads
     bs, nb = 16, 1200
@@ -107,7 +107,7 @@ def test_decode_attention_matches_portable(heads: tuple[int, int, int]) -> None:
 @pytest.mark.parametrize("offset", [0, 5, 300])
 def test_prefill_attention_matches_portable(offset: int) -> None:
     """Fresh prompt (offset 0, flash over q/k/v) and a chunk after cached tokens (lower-right causal flash)."""
-    from pdserve.model.cuda_attention import prefill_attention
+    from pdserve.model.cuda.attention import prefill_attention
 
     h, hkv, d, bs, nq = 32, 8, 128, 16, 257
     ctx = offset + nq
@@ -127,7 +127,7 @@ def test_prefill_attention_matches_portable(offset: int) -> None:
 
 @pytest.mark.parametrize("shape", [(6144, 4096), (4096, 12288), (1000, 96)])
 def test_gemv_matches_matmul(shape: tuple[int, int]) -> None:
-    from pdserve.model import cuda_kernels as ck
+    from pdserve.model.cuda import kernels as ck
 
     n, k = shape
     w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02

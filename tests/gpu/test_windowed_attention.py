@@ -1,4 +1,4 @@
-"""Sliding-window attention on the CUDA path (cuda_attention.py) against the portable path (attention.py),
+"""Sliding-window attention on the CUDA path (cuda/attention.py) against the portable path (attention.py),
 float32, tiny shapes: head dims 16/32, block sizes 4/16, windows 5/8/16 (and 100: several decode splits),
 contexts past the window, a batch of mixed lengths, GQA groups 1/2/4.
 
@@ -75,7 +75,7 @@ def _decode_batch(tables: list[list[int]], lens: list[int], rows: torch.Tensor) 
 @pytest.mark.parametrize("window", [5, 8, 16, 100, None])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_decode_matches_portable(head_dim: int, bs: int, window: int | None, group: int) -> None:
-    from pdserve.model.cuda_attention import decode_attention
+    from pdserve.model.cuda.attention import decode_attention
 
     hkv = 2
     h = hkv * group
@@ -100,7 +100,7 @@ def test_decode_matches_portable(head_dim: int, bs: int, window: int | None, gro
 def test_prefill_matches_portable(window: int, offset: int, group: int) -> None:
     """A prompt with nothing cached (offset 0) and a chunk after cached tokens, tiled in 8-row tiles (bands
     and band-free tiles both occur), over a cache whose entries before the first visible block are STALE."""
-    from pdserve.model.cuda_attention import prefill_attention
+    from pdserve.model.cuda.attention import prefill_attention
 
     bs, hkv, d, nq = 4, 2, 16, 29
     n = offset + nq
@@ -121,7 +121,7 @@ def test_prefill_matches_portable(window: int, offset: int, group: int) -> None:
 @pytest.mark.parametrize("window", [5, None])
 def test_mixed_step_matches_portable(window: int | None) -> None:
     """One step holding a prompt, a chunk after cached tokens and two decode rows (paged_attention_cuda)."""
-    from pdserve.model.cuda_attention import paged_attention_cuda
+    from pdserve.model.cuda.attention import paged_attention_cuda
 
     bs, hkv, group, d = 4, 2, 2, 32
     lens, new = [12, 30, 19, 41], [12, 7, 1, 1]  # context after the step, new tokens this step

@@ -1,7 +1,7 @@
-"""Sliding-window models on CUDA: windowed layers through cuda_attention (Triton decode from the window's first
+"""Sliding-window models on CUDA: windowed layers through cuda/attention.py (Triton decode from the window's first
 block, tiled band prefill), Gemma 3 on the fused decoder, decode steps replayed from CUDA graphs with one
 context per KV group. float32: greedy tokens equal transformers' for prompts and generations well past the
-window, with graphs, eagerly, and on the portable decoder (whose attention still takes cuda_attention).
+window, with graphs, eagerly, and on the portable decoder (whose attention still takes cuda/attention.py).
 
     pytest -m gpu tests/gpu/test_windowed_engine.py
 """

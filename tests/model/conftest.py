@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdserve.model import cpu_attention
+from pdserve.model.cpu import kernels as cpu_kernels
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,6 +25,6 @@ def _one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
     """The CPU kernel library (tests that take it are skipped where there is no C compiler)."""
-    built = cpu_attention.decode_kernel()
+    built = cpu_kernels.library()
     assert built is not None
     return built

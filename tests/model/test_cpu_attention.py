@@ -1,19 +1,25 @@
-"""The CPU decode kernel (model/cpu_attention.py) against the portable path: the same attention output on
-block-major caches with shuffled, padded and stale table entries (GQA, ragged lengths, sliding windows, decode
-rows mixed with a prefill), the same greedy tokens through the engine, and a clean fallback without a compiler."""
+"""The CPU attention kernels (model/cpu/attention.py, built by model/cpu/kernels.py) against the portable path:
+the same attention output on block-major caches with shuffled, padded and stale table entries (GQA, ragged
+lengths, sliding windows, decode rows mixed with a prefill), the same greedy tokens through the engine, and a
+clean fallback without a compiler."""
 
 from __future__ import annotations
 
 import shutil
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from test_generate import _llm, _prompts
 
 from pdserve import SamplingParams
-from pdserve.model import cpu_attention
 from pdserve.model.attention import paged_attention
+from pdserve.model.cpu import attention as cpu_attention
+from pdserve.model.cpu import kernels as cpu_kernels
+from pdserve.model.cpu import layer_ops as cpu_layer_ops
 from pdserve.model.paged import AttentionContext, DecodeBatch, PrefillSpan, layer_view
 
 needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
@@ -21,12 +27,12 @@ needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which
 
 @needs_compiler
 def test_kernel_builds() -> None:
-    assert cpu_attention.decode_kernel() is not None
+    assert cpu_kernels.library() is not None
 
 
 def test_no_compiler_falls_back(tmp_path: Path) -> None:
     """No compiler: nothing is built and the caller takes the portable path."""
-    assert cpu_attention.build(tmp_path, compiler=str(tmp_path / "no-such-cc")) is None
+    assert cpu_kernels.build(tmp_path, compiler=str(tmp_path / "no-such-cc")) is None
     assert not list(tmp_path.rglob("*.so"))
 
 
@@ -73,6 +79,30 @@ def test_same_tokens(family: str, tiny_model_dirs: dict[str, Path]) -> None:
     assert outs[0] == outs[1]
 
 
+@needs_compiler
+def test_engine_runs_the_c_kernels(tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 CPU engine, built as the server builds it, runs its decode attention and its layers' small ops
+    in the C library (model/cpu/kernels.py builds it), and calls no kernel once the decoder is told not to."""
+    calls: Counter[str] = Counter()
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any) -> Any:
+            calls[name] += 1
+            return fn(*args)
+
+        return counted
+
+    monkeypatch.setattr(cpu_attention, "paged_decode", counting("paged_decode", cpu_attention.paged_decode))
+    monkeypatch.setattr(cpu_layer_ops, "add_rmsnorm", counting("add_rmsnorm", cpu_layer_ops.add_rmsnorm))
+    llm = _llm(tiny_model_dirs["llama"], block_size=4, max_num_batched_tokens=16)
+    llm.generate(_prompts([3, 17], seed=2), SamplingParams.greedy(4))
+    assert calls["paged_decode"] > 0 and calls["add_rmsnorm"] > 0
+    calls.clear()
+    llm.engine.runner.decoder.use_cpu_kernel = False
+    llm.generate(_prompts([3, 17], seed=2), SamplingParams.greedy(4))
+    assert calls == Counter()
+
+
 def _hnd(kv: torch.Tensor) -> torch.Tensor:
     """The same block-major cache, heads before tokens inside each block (strides, not values, differ)."""
     n, layers, two, bs, hkv, d = kv.shape
@@ -102,7 +132,7 @@ def test_prefill_over_cache_equals_portable(window: int | None, heads_first: boo
     q = torch.randn(row, h, d, generator=gen)
     ctx = AttentionContext(torch.zeros(row, dtype=torch.long), spans, None, bs)
     portable = paged_attention(q, layer, ctx, 0.3, None, None, window, cpu_kernel=False)
-    lib = cpu_attention.decode_kernel()
+    lib = cpu_kernels.library()
     assert lib is not None
     k_cache, v_cache = layer[0], layer[1]
     for span in spans:
@@ -161,7 +191,7 @@ def test_prefill_reads_q_through_its_row_stride(window: int | None, h: int, hkv:
     qkv = torch.randn(num_query, (h + 2 * hkv) * d, generator=gen)
     q = qkv[:, : h * d].view(num_query, h, d)
     assert q.stride(0) == (h + 2 * hkv) * d
-    lib = cpu_attention.decode_kernel()
+    lib = cpu_kernels.library()
     assert lib is not None
     ours = cpu_attention.paged_prefill(lib, q, layer[0], layer[1], table, context_len, 0.3, window)
     span = PrefillSpan(0, num_query, context_len, table)

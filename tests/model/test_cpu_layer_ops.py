@@ -1,4 +1,4 @@
-"""The CPU layer kernels (model/cpu_layer_ops.py, csrc/layer_ops.c) against the portable torch ops they replace
+"""The CPU layer kernels (model/cpu/layer_ops.py, csrc/layer_ops.c) against the portable torch ops they replace
 (decoder_layer.RMSNorm, rotary.apply_rope, paged.write_kv, F.silu / F.gelu-tanh times up), float32, on odd shapes;
 and the decoder's fused CPU path against its portable path, hidden states and greedy tokens."""
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_generate import _llm, _prompts
 
 from pdserve import SamplingParams
-from pdserve.model import cpu_layer_ops as ops
+from pdserve.model.cpu import layer_ops as ops
 from pdserve.model.decoder_layer import RMSNorm
 from pdserve.model.paged import layer_view, write_kv
 from pdserve.model.rotary import apply_rope

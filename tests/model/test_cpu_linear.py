@@ -1,4 +1,4 @@
-"""The CPU linears from packed weights (model/cpu_linear.py: MKL's packed GEMM, or column panels through
+"""The CPU linears from packed weights (model/cpu/linear.py: MKL's packed GEMM, or column panels through
 csrc/small_gemm.c) against F.linear, on odd shapes and both weight layouts; and the engine's greedy tokens with and
 without them (tiny models; transformers' tokens are checked with them on in test_generate.py, where every CPU
 decoder loads packed)."""
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from test_generate import _llm, _prompts
 
 from pdserve import SamplingParams
-from pdserve.model.cpu_linear import (
+from pdserve.model.cpu.linear import (
     GEMM_LIBRARIES,
     MIN_ROWS,
     PANEL_MAX_ROWS,

@@ -19,7 +19,7 @@
  * The online softmax (online_softmax.h) runs down S^T's columns in float32 (fast_expf); P V rescales the output
  * rows as it loads its accumulators. Steps of KB keys stop at the tile's last position, so the causal triangle
  * costs about what it computes. head_dim must be a multiple of NB (the caller checks:
- * cpu_attention.prefill_fits). Sums run in another order than torch's, so outputs differ from SDPA's in the last
+ * attention.prefill_fits). Sums run in another order than torch's, so outputs differ from SDPA's in the last
  * bits, not in the tokens (tests/model/test_cpu_attention.py).
  */
 #pragma GCC optimize("fp-contract=fast") /* FMA contraction: -std=c99 turns it off */

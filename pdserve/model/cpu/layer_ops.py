@@ -1,11 +1,11 @@
 """A decoder layer's small ops on the CPU as single C/OpenMP passes (csrc/layer_ops.c, built with the paged
-attention kernels into one library by cpu_attention.py): add + RMSNorm, q/k-norm + rotary + KV store, and
-SiLU- (or GELU-tanh-) and-mul. The same three calls as cuda_kernels.py's Triton kernels, for the same reason:
+attention kernels into one library by kernels.py): add + RMSNorm, q/k-norm + rotary + KV store, and
+SiLU- (or GELU-tanh-) and-mul. The same three calls as cuda/kernels.py's Triton kernels, for the same reason:
 the portable RMSNorm alone is ~6 torch ops, each its own pass over the rows and its own OpenMP region, 30 layers
-a step. cpu_layer.forward_cpu calls them; equality with the portable torch ops is tested in
+a step. layer.forward_cpu calls them; equality with the portable torch ops is tested in
 tests/model/test_cpu_layer_ops.py.
 
-Every function takes the loaded library (cpu_attention.decode_kernel()) and float32 CPU tensors (`fits`).
+Every function takes the loaded library (kernels.library()) and float32 CPU tensors (`fits`).
 """
 
 from __future__ import annotations

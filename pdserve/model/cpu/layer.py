@@ -1,6 +1,6 @@
 """The CPU float32 path of a decoder layer: forward()'s math with its small ops fused into single C/OpenMP passes
-(cpu_layer_ops.py), decode rows reading the paged cache in place (cpu_attention.py) and linears from
-weights packed once (cpu_linear.py).
+(layer_ops.py), decode rows reading the paged cache in place (attention.py) and linears from weights packed
+once (linear.py).
 
 It mirrors DecoderLayer.forward_fused with the C kernels in place of the Triton ones. It lives apart so that the
 CUDA path stays as it was measured and the layer's module stays the model's definition; the decoder calls
@@ -14,9 +14,9 @@ import ctypes
 import torch
 from torch import nn
 
-from pdserve.model import cpu_layer_ops as cpu_ops
 from pdserve.model.attention import paged_attention
-from pdserve.model.cpu_linear import PackedLinears
+from pdserve.model.cpu import layer_ops as cpu_ops
+from pdserve.model.cpu.linear import PackedLinears
 from pdserve.model.decoder_layer import DecoderLayer
 from pdserve.model.paged import AttentionContext
 
@@ -27,16 +27,17 @@ def _linear(panels: PackedLinears | None, module: nn.Linear, x: torch.Tensor) ->
 
 def forward_cpu(
     layer: DecoderLayer,
-    lib: ctypes.CDLL,  # the CPU kernel library (cpu_attention.decode_kernel())
+    lib: ctypes.CDLL,  # the CPU kernel library (kernels.library())
     x: torch.Tensor,  # [T, hidden]: the previous layer's output (before its residual add)
     residual: torch.Tensor | None,  # [T, hidden]: the residual stream (updated in place), None at layer 0
     cos: torch.Tensor,  # [T, 1, head_dim / 2] float32
     sin: torch.Tensor,
     layer_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], strided (layer_view)
     ctx: AttentionContext,
-    panels: PackedLinears | None = None,  # packed linear weights (cpu_linear.py); None: F.linear
+    panels: PackedLinears | None = None,  # packed linear weights (linear.py); None: F.linear
+    prefill_kernel: bool = True,  # prefill spans through the C prefill kernel (False: torch's SDPA)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU float32 path of layer.forward(), its small ops fused (cpu_layer_ops.py): returns (this layer's MLP
+    """The CPU float32 path of layer.forward(), its small ops fused (layer_ops.py): returns (this layer's MLP
     output, residual stream), whose sum is forward()'s."""
     t = x.shape[0]
     h, residual = cpu_ops.add_rmsnorm(lib, x, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
@@ -57,7 +58,9 @@ def forward_cpu(
     q = qkv[:, : layer.q_size].view(t, layer.num_heads, layer.head_dim)
     k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(t, layer.num_kv_heads, layer.head_dim)
     v = qkv[:, layer.q_size + layer.kv_size :].view(t, layer.num_kv_heads, layer.head_dim)
-    attn = paged_attention(q, layer_cache, ctx, layer.scale, k, v, layer.window)  # [T, num_heads, head_dim]
+    attn = paged_attention(  # [T, num_heads, head_dim]
+        q, layer_cache, ctx, layer.scale, k, v, layer.window, cpu_prefill_kernel=prefill_kernel
+    )
     x = layer.reduce(_linear(panels, layer.o_proj, attn.reshape(t, layer.q_size)))
     post, pre_ff, post_ff = (
         layer.post_attention_layernorm,

@@ -3,7 +3,7 @@
  * MKL's sgemm packs its right operand on every call; at a handful of rows that doubles the weight traffic and
  * the step is bound by it (a batch-8 decode step of the built-in model streams ~420 MB of linear weights:
  * 37.7 ms through F.linear, 28.4 ms here; at one row both are at the memory's speed). Here W is packed once at
- * load time (cpu_linear.pack) into P = ceil(N / NB) panels of [K, NB] floats, zero-padded past N, so each
+ * load time (linear.pack) into P = ceil(N / NB) panels of [K, NB] floats, zero-padded past N, so each
  * thread streams its panels front to back exactly once and keeps MR x NB partial sums in registers (MR rows of
  * x, NB floats: panel_fma.h sizes both to the registers). Rows past MR re-read the panel from L2.
  *

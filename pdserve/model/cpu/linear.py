@@ -36,7 +36,7 @@ non-Intel CPUs take "panels+onednn": the panels up to PANEL_MAX_ROWS rows, oneDN
 resident). `gemm_library` decides; PDSERVE_CPU_GEMM (one of GEMM_LIBRARIES) overrides it for A/B runs.
 
 PackedLinears holds the packed copies, keyed by the module (or "lm_head"); Decoder owns one, built after loading
-(`pack_cpu_linears`), and the CPU layer path (cpu_layer.forward_cpu) and Decoder.logits call `linear`.
+(`pack_cpu_linears`), and the CPU layer path (layer.forward_cpu) and Decoder.logits call `linear`.
 """
 
 from __future__ import annotations
@@ -143,16 +143,17 @@ def pack(weight: torch.Tensor, width: int) -> torch.Tensor:
     return wt.view(k, panels, width).permute(1, 0, 2).contiguous()
 
 
-def mkl_pack(mkl: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+def mkl_pack(mkl: ctypes.CDLL, weight: torch.Tensor, rows_hint: int = PACK_ROWS_HINT) -> torch.Tensor:
     """MKL's packed form of W^T for y = x W^T, from a row-major [N, K] weight or its column-major twin (the engine
-    stores linears column-major, use_column_major_linears); a byte buffer only cblas_sgemm_compute reads."""
+    stores linears column-major, use_column_major_linears), packed for `rows_hint` rows; a byte buffer only
+    cblas_sgemm_compute reads."""
     n, k = weight.shape
     if weight.stride() == (k, 1):
         trans, ld = _TRANS, k  # B = W^T read from W's rows
     else:
         weight = weight.t().contiguous().t() if weight.stride() != (1, n) else weight
         trans, ld = _NO_TRANS, n  # W^T is a row-major [K, N] already
-    m = PACK_ROWS_HINT
+    m = rows_hint
     buf = torch.empty(mkl.cblas_sgemm_pack_get_size(_B_MATRIX, m, n, k), dtype=torch.uint8)
     mkl.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, trans, m, n, k, 1.0, weight.data_ptr(), ld, buf.data_ptr())
     return buf
@@ -160,11 +161,18 @@ def mkl_pack(mkl: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
 
 class PackedLinears:
     """Packed weights of a decoder's CPU linears (float32) and the call that uses them. `library` is one of
-    GEMM_LIBRARIES: the column panels (they need `lib`, the kernel library cpu_attention.decode_kernel()) serve
+    GEMM_LIBRARIES: the column panels (they need `lib`, the kernel library kernels.library()) serve
     1 to PANEL_MAX_ROWS rows, MKL's packed GEMM (`mkl`, mkl_packed_gemm()) or oneDNN's prepacked linear MIN_ROWS
-    rows and up; a row count neither serves runs F.linear."""
+    rows and up; a row count neither serves runs F.linear. MKL packs for `rows_hint` rows (PACK_ROWS_HINT says
+    why 512; scripts/bench_cpu_linear.py --hints compares others)."""
 
-    def __init__(self, library: str, lib: ctypes.CDLL | None = None, mkl: ctypes.CDLL | None = None) -> None:
+    def __init__(
+        self,
+        library: str,
+        lib: ctypes.CDLL | None = None,
+        mkl: ctypes.CDLL | None = None,
+        rows_hint: int = PACK_ROWS_HINT,
+    ) -> None:
         if library not in GEMM_LIBRARIES:
             raise ValueError(f"unknown library {library!r}: expected one of {', '.join(GEMM_LIBRARIES)}")
         self.library = library
@@ -174,6 +182,7 @@ class PackedLinears:
         if self.gemm == "mkl" and mkl is None:
             raise ValueError("MKL's packed GEMM is not available")
         self.lib, self.mkl = lib, mkl
+        self.rows_hint = rows_hint
         self.width = 0 if lib is None else int(lib.pdserve_linear_panel_width())
         # key -> (panels or None, the packed GEMM's copy or None, N, K)
         self.packed: dict[nn.Module | str, tuple[torch.Tensor | None, torch.Tensor | None, int, int]] = {}
@@ -194,7 +203,7 @@ class PackedLinears:
             gemm = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif self.gemm == "mkl":
             assert self.mkl is not None
-            gemm = mkl_pack(self.mkl, weight)
+            gemm = mkl_pack(self.mkl, weight, self.rows_hint)
         if gemm is not None:
             self.nbytes += n * k * weight.element_size()
         self.packed[key] = (panels, gemm, n, k)
