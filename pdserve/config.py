@@ -6,8 +6,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdserve.transfer.faults import NO_FAULTS, Faults
-
 KVRole = Literal["prefill", "decode", "both"]
 TransferMode = Literal["pull", "push"]
 
@@ -90,7 +88,6 @@ class TransferConfig:
     # other READs from P in flight, up to P's lease: thread/pull_confirm.py).
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 4.0
-    faults: Faults = NO_FAULTS  # tests only (transfer/faults.py); no flag sets it
     # The deployment secret (auth.py): signs capabilities and authenticates the side channel; None: neither
     # (the instance warns at startup). Never printed (repr=False).
     auth_secret: bytes | None = field(default=None, repr=False)

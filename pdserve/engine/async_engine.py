@@ -35,6 +35,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.params import PullSource, PushSource
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.transfer.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,9 @@ class AsyncEngine:
     the command inbox (AddRequest / AbortRequest) and reads only what the engine thread published (EngineInfo
     at start, the EngineStats snapshot, outputs handed over with call_soon_threadsafe)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, faults: Faults = NO_FAULTS) -> None:
         self.config = config
+        self.faults = faults  # a test's transfer faults (transfer/faults.py), for the engine's connectors
         self._engine: LLMEngine | None = None  # touched by the engine thread only, once started
         self._info: EngineInfo | None = None
         self._inbox: deque[EngineCommand] = deque()
@@ -66,7 +68,7 @@ class AsyncEngine:
     # ---- life cycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
         """Load the model and start the engine loop (blocking; seconds)."""
-        engine = LLMEngine(self.config, wakeup=self._wake.set)
+        engine = LLMEngine(self.config, wakeup=self._wake.set, faults=self.faults)
         self._engine = engine
         self._info = EngineInfo(
             model_name=engine.model_name,

@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pdserve.arg_types import non_negative_int, port, positive_float, positive_int
 from pdserve.auth import unauthenticated_listen_error
@@ -20,7 +22,9 @@ from pdserve.config import (
 from pdserve.credentials import add_internal_key_arguments, credentials_from
 from pdserve.http_port import STARTUP_FAILURE, bind_port_zero
 from pdserve.server.transfer_args import add_transfer_arguments, transfer_config_from
-from pdserve.transfer.faults import NO_FAULTS, Faults
+
+if TYPE_CHECKING:
+    from pdserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("pdserve.server")
 
@@ -142,9 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_transfer_arguments(p)
 
 
-def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> EngineConfig:
-    """EngineConfig from parsed flags (and a test's faults); raises ConfigError naming the bad value."""
-    transfer_config = transfer_config_from(args, faults)
+def build_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags; raises ConfigError naming the bad value."""
+    transfer_config = transfer_config_from(args)
     tp = args.tensor_parallel_size
     if args.num_threads is not None:
         num_threads = args.num_threads
@@ -173,13 +177,14 @@ def build_config(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> Engine
     )
 
 
-def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
-    """Serve until stopped. `faults` is for tests only (tests/e2e/serve_with_faults.py)."""
+def run(args: argparse.Namespace, make_engine: Callable[[EngineConfig], AsyncEngine] | None = None) -> int:
+    """Serve until stopped. `make_engine` builds the engine from the config (default AsyncEngine); a test
+    passes one with its faults (tests/e2e/serve_with_faults.py)."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     try:
-        config = build_config(args, faults)
+        config = build_config(args)
         credentials = credentials_from(args)
     except (ConfigError, ValueError, OSError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
@@ -218,7 +223,7 @@ def run(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> int:
         if server is not None:
             server.should_exit = True  # read by uvicorn's main loop; safe from another thread
 
-    engine = AsyncEngine(config)
+    engine = (make_engine or AsyncEngine)(config)
     app = build_app(
         engine,
         args.served_model_name,

@@ -13,7 +13,6 @@ from pdserve.arg_types import port, positive_float
 from pdserve.auth import INSECURE_FLAG, load_secret
 from pdserve.config import TransferConfig
 from pdserve.server.kv_transfer_config import parse_kv_transfer_config
-from pdserve.transfer.faults import NO_FAULTS, Faults
 
 
 def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,8 +112,8 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def transfer_config_from(args: argparse.Namespace, faults: Faults = NO_FAULTS) -> TransferConfig:
-    """TransferConfig from --kv-transfer-config overridden by the flags that are set (and a test's faults)."""
+def transfer_config_from(args: argparse.Namespace) -> TransferConfig:
+    """TransferConfig from --kv-transfer-config overridden by the flags that are set."""
     transfer = parse_kv_transfer_config(args.kv_transfer_config) if args.kv_transfer_config else {}
     flags = {
         "role": args.kv_role,
@@ -133,4 +132,4 @@ def transfer_config_from(args: argparse.Namespace, faults: Faults = NO_FAULTS) -
     }
     transfer.update({k: v for k, v in flags.items() if v is not None})
     secret = load_secret(args.kv_auth_secret, args.kv_auth_secret_file)
-    return TransferConfig(**transfer, faults=faults, auth_secret=secret, net_devices=args.kv_net_devices)
+    return TransferConfig(**transfer, auth_secret=secret, net_devices=args.kv_net_devices)

@@ -1,8 +1,10 @@
 """Test-only faults: the one object through which tests delay or force what production never does.
 
-A test harness builds a Faults and hands it to the server (`pdserve.server.cli.run(args, faults=...)`, as
-tests/e2e/serve_with_faults.py does) or to the connectors (TransferConfig.faults); no flag, no environment
-variable. The default, NO_FAULTS, costs one comparison per fault point.
+A test builds a Faults and hands it to what it constructs: the connector factory (factory.make_connectors /
+make_rank_worker, as pdserve/testing/pair_child.py does), or the engine (AsyncEngine / LLMEngine, which pass
+it to the factory on every rank; tests/e2e/serve_with_faults.py hands `pdserve.server.cli.run` such an engine).
+It is no config field, no flag and no environment variable. The default, NO_FAULTS, costs one comparison per
+fault point.
 The fault suite (tests/transfer/test_faults.py) drops, duplicates, delays and so reorders notifications by
 message type on receipt, fails NIXL posts, delays a pull's READ past a short lease, and holds chosen READs in
 flight (so acks wait behind them); the checksum tests flip a received byte (flip_kv_byte).

@@ -8,7 +8,8 @@ Layers (docs/architecture.md, "Pieces and dependencies"):
   module load no torch;
 - transfer/ never imports the engine, the server or the model (the cache geometry and KV groups are kv/'s);
 - the router and the bench speak HTTP only: no torch, no engine, no model, no server, no transfer (the P/D
-  contract they need is kv/).
+  contract they need is kv/);
+- the server imports nothing of transfer/ either (it reaches the data plane only through the engine).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 
 import pytest
+from test_import_graph import import_graph
 
 import pdserve
 
@@ -99,6 +101,21 @@ def test_transfer_imports_neither_engine_server_nor_model() -> None:
     modules = [m for m in all_modules("pdserve.transfer") if has_triton or m not in CUDA_ONLY]
     loaded = loaded_after_import(*modules)
     assert {m for m in loaded if m.startswith(("pdserve.engine", "pdserve.server", "pdserve.model"))} == set()
+
+
+def test_server_and_router_import_nothing_of_transfer() -> None:
+    """The P/D contract they share with the engine is kv/'s; the data plane is the engine's business. Every
+    import statement counts (deferred and TYPE_CHECKING ones too): the server reaches transfer/ only through
+    the engine it builds."""
+    in_transfer = lambda m: m == "pdserve.transfer" or m.startswith("pdserve.transfer.")
+    edges = {
+        (m, t)
+        for m, targets in import_graph().items()
+        if m.startswith(("pdserve.server.", "pdserve.router."))
+        for t in targets
+        if in_transfer(t)
+    }
+    assert edges == set()
 
 
 def test_router_and_bench_speak_http_only() -> None:

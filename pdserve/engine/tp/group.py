@@ -38,6 +38,7 @@ from pdserve.engine.tp.bring_up import rank_device
 from pdserve.engine.tp.rank import RankSpec, decode_status, join_process_group, run_rank
 from pdserve.engine.tp.step_plan import SHUTDOWN, Chunk, PlanKind, StepPlan, encode
 from pdserve.model.parallel import NcclCollectives, ProcessGroupCollectives, collectives_for
+from pdserve.transfer.faults import NO_FAULTS, Faults
 
 HELLO_TIMEOUT_S = 120.0  # a spawned rank imports torch (slow on a busy machine)
 READY_TIMEOUT_S = 1800.0  # a rank loads its shard of the checkpoint (large models: minutes)
@@ -51,7 +52,7 @@ class TPGroupError(RuntimeError):
 
 
 class TPGroup:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, faults: Faults = NO_FAULTS) -> None:
         self.size = config.parallel.tensor_parallel_size
         self.device = config.model.device
         # Rank 0's rendezvous store listens before any rank is spawned, on a port the kernel picks: a port
@@ -73,7 +74,7 @@ class TPGroup:
         try:
             for rank in range(1, self.size):
                 mine, theirs = ctx.Pipe()
-                spec = RankSpec(config, rank, self.init_method, os.getpid())
+                spec = RankSpec(config, rank, self.init_method, os.getpid(), faults)
                 proc = ctx.Process(target=run_rank, args=(spec, theirs), name=f"pdserve-tp-rank{rank}", daemon=True)
                 proc.start()
                 theirs.close()

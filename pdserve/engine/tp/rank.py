@@ -28,6 +28,7 @@ import msgpack
 
 from pdserve.config import EngineConfig
 from pdserve.kv.groups import KVGroups
+from pdserve.transfer.faults import NO_FAULTS, Faults
 
 if TYPE_CHECKING:  # the rank imports torch only once spawned
     import torch.distributed
@@ -50,6 +51,7 @@ class RankSpec:
     rank: int  # 1 .. size - 1
     init_method: str  # "tcp://127.0.0.1:PORT": rank 0's rendezvous store
     parent_pid: int  # rank 0's process: the rank leaves when it is gone
+    faults: Faults = NO_FAULTS  # a test's transfer faults (transfer/faults.py), for this rank's connector worker
 
     @property
     def size(self) -> int:
@@ -177,7 +179,7 @@ def _start_worker(
     from pdserve.transfer.factory import make_rank_worker
     from pdserve.transfer.ranks import encode_results
 
-    worker, side_port = make_rank_worker(cfg.transfer)
+    worker, side_port = make_rank_worker(cfg.transfer, spec.faults)
     kv_spec = kv_cache_spec(kv_cache, model_name, cfg.model.dtype, spec.rank, spec.size, total_kv_heads,
                             kv_groups=kv_groups)  # fmt: skip
     worker.register_kv_cache(kv_cache, kv_spec)

@@ -15,6 +15,7 @@ from pdserve.engine.tp.bring_up import RankCompute, bring_up_rank
 from pdserve.engine.tp.group import TPGroup
 from pdserve.model.loader import model_arch
 from pdserve.model.parallel import check_tp_split
+from pdserve.transfer.faults import NO_FAULTS, Faults
 
 
 @dataclass(frozen=True)
@@ -25,14 +26,14 @@ class RankZero:
     ranks: TPGroup | None  # ranks 1..tp-1, None at TP 1; the engine owns them and joins them in shutdown()
 
 
-def start_rank_zero(config: EngineConfig) -> RankZero:
+def start_rank_zero(config: EngineConfig, faults: Faults = NO_FAULTS) -> RankZero:
     """Start the other ranks (TP > 1), load rank 0's model and allocate its cache, then wait for the ranks to
     be ready with as many blocks. On any failure the ranks are shut down before the error propagates."""
     tp = config.parallel.tensor_parallel_size
     ranks: TPGroup | None = None
     if tp > 1:
         check_tp_split(model_arch(config.model), tp)
-        ranks = TPGroup(config)
+        ranks = TPGroup(config, faults)
     try:
         comm = None if ranks is None else ranks.connect()
         compute = bring_up_rank(config, 0, comm)

@@ -11,6 +11,7 @@ from pdserve.config import TransferConfig
 from pdserve.kv.geometry import CacheGeometry
 from pdserve.transfer.base import KVCacheSpec, StepMeta
 from pdserve.transfer.checksum import KVChecksum
+from pdserve.transfer.faults import NO_FAULTS, Faults
 from pdserve.transfer.heads import sources
 from pdserve.transfer.layout import Heads
 from pdserve.transfer.staging import Stager
@@ -37,6 +38,7 @@ class TransferContext:
     peers: Peers
     stager: Stager | None = None  # kv_buffer_device "cpu" with a CUDA cache: NIXL moves a host mirror (staging.py)
     checksum: KVChecksum | None = None  # --kv-checksum: sums over the registered buffer (checksum.py, kv_verify.py)
+    faults: Faults = NO_FAULTS  # a test's (faults.py), given to the connector factory; NO_FAULTS in production
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -62,7 +64,7 @@ class TransferContext:
         self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, notif: bytes = b"", remote_memory: str = ""
     ) -> Xfer:
         """NixlAgent.post(), or the AgentError a test's Faults.fail_posts asks for."""
-        if self.cfg.faults.fail_posts:
+        if self.faults.fail_posts:
             raise AgentError(f"post {op} to {peer}: failed (test fault)")
         return self.agent.post(op, local, remote, peer, notif, remote_memory)
 

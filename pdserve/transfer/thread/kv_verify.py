@@ -41,7 +41,7 @@ def consumer_sums(ctx: TransferContext, task: RecvTask, producer: PeerInfo) -> d
         return {}
     ranges = landed_ranges(ctx, task, producer.geometry.block_size)
     parts = ctx.heads_from(producer)
-    if ctx.cfg.faults.flip_kv_byte and parts:  # test: one corrupted byte in the first part's first row
+    if ctx.faults.flip_kv_byte and parts:  # test: one corrupted byte in the first part's first row
         g, (first, _) = next((g, r) for g, r in enumerate(ranges) if r[0] < r[1])
         ck.flip_byte(task.tables[g], first, parts[min(parts)].local)
     return {p: ck.part(task.tables, ranges, h.local, h.num) for p, h in parts.items()}

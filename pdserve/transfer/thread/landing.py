@@ -55,4 +55,4 @@ def land(
             return
         end(None)
 
-    ctx.cfg.faults.defer(FaultPoint.STAGE_IN, ctx.thread.call_at, copy_in)
+    ctx.faults.defer(FaultPoint.STAGE_IN, ctx.thread.call_at, copy_in)

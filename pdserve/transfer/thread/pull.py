@@ -121,7 +121,7 @@ class PullCore:
             self._end(rid, rd, None)
             return
         rd.state = ReadState.POSTING
-        self.ctx.cfg.faults.defer(FaultPoint.READ, self.ctx.thread.call_at, lambda: self._post(rid, rd))
+        self.ctx.faults.defer(FaultPoint.READ, self.ctx.thread.call_at, lambda: self._post(rid, rd))
 
     def _post(self, rid: str, rd: Read) -> None:
         """One READ per P rank that holds heads of this rank (heads.py), all posted at once."""
@@ -160,7 +160,7 @@ class PullCore:
             self.ctx.agent.abort(xfer)
 
     def _check(self, rid: str, rd: Read) -> None:
-        faults = self.ctx.cfg.faults
+        faults = self.ctx.faults
         held_back = rid in faults.slow_reads and time.monotonic() < rd.posted_at + faults.slow_read_s
         for p_rank, xfer in rd.xfers.items():
             peer = rd.peers[p_rank]

@@ -82,7 +82,7 @@ class RecvSide:
             return
         w.peers, w.producers = peers, set(self.ctx.heads_from(peers[0].info))
         w.state = WaitState.DELAYED  # until _register(): at once, unless a test delays it
-        self.ctx.cfg.faults.defer(FaultPoint.REGISTER, self.ctx.thread.call_at, lambda: self._register(rid, w))
+        self.ctx.faults.defer(FaultPoint.REGISTER, self.ctx.thread.call_at, lambda: self._register(rid, w))
 
     def _register(self, rid: str, w: Wait) -> None:
         """Register with every P rank, writer or not: each P rank's part of the send ends with this rank's."""

@@ -73,7 +73,7 @@ class SendSide:
 
     # ---- the finished prefill ---------------------------------------------------------------------------------------
     def on_send(self, task: SendTask, now: float) -> None:
-        self.ctx.cfg.faults.defer(FaultPoint.SEND_READY, self.ctx.thread.call_at,
+        self.ctx.faults.defer(FaultPoint.SEND_READY, self.ctx.thread.call_at,
                                   lambda: self._add_send(task, time.monotonic()))  # fmt: skip
 
     def _add_send(self, task: SendTask, now: float) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from pdserve.config import TransferConfig
 from pdserve.transfer.base import ConnectorWorker, KVCacheSpec, StepMeta, TransferResults, TransferStats
 from pdserve.transfer.checksum import KVChecksum
-from pdserve.transfer.faults import NO_FAULTS
+from pdserve.transfer.faults import NO_FAULTS, Faults
 from pdserve.transfer.layout import live_ranges
 from pdserve.transfer.staging import make_stager
 from pdserve.transfer.thread.agent import AgentError, NixlAgent
@@ -53,7 +53,7 @@ class _Dispatch:
         self.ctx, self.core = ctx, core
 
     def progress(self, now: float) -> bool:
-        faults = self.ctx.cfg.faults
+        faults = self.ctx.faults
         for sender, raw in self.ctx.agent.notifications():
             self.ctx.peers.heard_from(sender, now)  # a sign of life, whatever it says (peers.py, liveness)
             try:
@@ -69,7 +69,7 @@ class _Dispatch:
 
     def _faulty(self, sender: str, msg: Message, now: float) -> None:
         """A test's Faults: drop, duplicate or delay (so reorder) this notification."""
-        faults, name = self.ctx.cfg.faults, type(msg).__name__
+        faults, name = self.ctx.faults, type(msg).__name__
         if name in faults.drop_notifs:
             log.info("test fault: dropped %s from %s", name, sender)
         elif name in faults.delay_notifs:
@@ -107,8 +107,9 @@ def refusal_info(info: PeerInfo) -> PeerInfo:
 class NixlWorker(ConnectorWorker):
     """Subclasses provide make_core(ctx) -> ModeCore."""
 
-    def __init__(self, cfg: TransferConfig, side: SideChannel) -> None:
+    def __init__(self, cfg: TransferConfig, side: SideChannel, faults: Faults = NO_FAULTS) -> None:
         self.cfg = cfg
+        self.faults = faults  # a test's (faults.py); NO_FAULTS in production
         self.side = side
         self.sink = ResultSink()
         self.thread = TransferLoop(f"pdserve-transfer-{cfg.engine_id}")
@@ -122,7 +123,7 @@ class NixlWorker(ConnectorWorker):
 
     def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
         name = f"{self.cfg.engine_id}-r{spec.tp_rank}-{uuid.uuid4().hex[:8]}"
-        stager = make_stager(self.cfg.kv_buffer_device, kv_cache, spec, self.cfg.faults)
+        stager = make_stager(self.cfg.kv_buffer_device, kv_cache, spec, self.faults)
         if stager is not None:  # NIXL, the layout and the handshake see the mirror, never the cache itself
             kv_cache, spec = stager.mirror, stager.spec(spec)
         # the advertised address, not a wildcard bind: UCX listens where peers are told to dial (netdev.py)
@@ -134,7 +135,7 @@ class NixlWorker(ConnectorWorker):
         peers = Peers(agent, local, self.side, self.thread, self.cfg.heartbeat_s, self.cfg.peer_timeout_s)
         checksum = KVChecksum(kv_cache) if self.cfg.kv_checksum else None  # over what NIXL moves (the mirror)
         self.ctx = TransferContext(
-            self.cfg, spec, agent, local, self.side, self.thread, self.sink, peers, stager, checksum
+            self.cfg, spec, agent, local, self.side, self.thread, self.sink, peers, stager, checksum, self.faults
         )
 
     def start(self, wakeup: Callable[[], None]) -> None:
