@@ -23,6 +23,7 @@ import ipaddress
 import json
 import os
 import secrets
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -59,10 +60,12 @@ def load_secret(value: str | None, file: str | None) -> bytes | None:
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
-    """A collision-resistant digest of a token sequence (binds a capability to the tokens whose KV it names)."""
+    """A collision-resistant digest of a token sequence (binds a capability to the tokens whose KV it names):
+    blake2b over the ids as little-endian int64 (16k ids: ~0.8 ms; as JSON text it was ~5 ms, on P's engine
+    thread and again on D's event loop, both on the first token's path). Token ids are validated before."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(b"pdserve-prompt\0")
-    h.update(json.dumps(list(token_ids), separators=(",", ":")).encode())
+    h.update(b"pdserve-prompt-q\0")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.hexdigest()
 
 
