@@ -16,7 +16,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.client import EngineStats
 from pdserve.engine.kv_cache import kv_cache_spec
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import RequestOutput, take_output
 from pdserve.engine.released_pins import ReleasedPins
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
@@ -30,20 +30,15 @@ from pdserve.engine.tp.transfer import TPWorker
 from pdserve.kv.params import KVTransferParams, PullSource, PushSource, RemoteDecode
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
-from pdserve.transfer.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(
-        self, config: EngineConfig, wakeup: Callable[[], None] = lambda: None, faults: Faults = NO_FAULTS
-    ) -> None:
-        """faults: a test's transfer faults (transfer/faults.py), handed to every rank's connector factory."""
+    def __init__(self, config: EngineConfig, wakeup: Callable[[], None] = lambda: None) -> None:
         self.config = config
         tp = config.parallel.tensor_parallel_size
-        # the TP ranks, ready (joined in shutdown()), rank 0's model and cache
-        started = start_rank_zero(config, faults)
+        started = start_rank_zero(config)  # the TP ranks, ready (joined in shutdown()), rank 0's model and cache
         self.ranks: TPGroup | None = started.ranks
         loaded, kv_cache, device = started.compute.loaded, started.compute.kv_cache, started.compute.device
         self.num_blocks = started.compute.num_blocks
@@ -56,7 +51,7 @@ class LLMEngine:
         block_size = config.cache.block_size
         side_ports = self.ranks.side_ports if self.ranks is not None else ()
         self.kv_scheduler, self.kv_worker = make_connectors(
-            config.transfer, block_size, tp, side_ports, loaded.decoder.kv_groups, faults
+            config.transfer, block_size, tp, side_ports, loaded.decoder.kv_groups
         )
         if self.ranks is not None and config.transfer.is_disaggregated:
             self.kv_worker = TPWorker(self.kv_worker, self.ranks)  # every rank moves its own KV slice
@@ -65,14 +60,8 @@ class LLMEngine:
             config.scheduler, self.pool, block_size, self.max_model_len, self.kv_scheduler, loaded.decoder.kv_groups,
             cache_received_kv=config.transfer.auth_secret is not None,  # only KV proven to be of its prompt (issue 26)
         )  # fmt: skip
-        self.runner = ModelRunner(
-            loaded.decoder,
-            kv_cache,
-            device,
-            use_cuda_graphs=not config.model.enforce_eager,
-            ranks=self.ranks,
-            max_model_len=self.max_model_len,
-        )
+        use_graphs = not config.model.enforce_eager
+        self.runner = ModelRunner(loaded.decoder, kv_cache, device, use_graphs, self.ranks, self.max_model_len)
         ports = tuple(self.kv_scheduler.info().get("side_channel_ports", ())) if tp > 1 else ()
         spec = kv_cache_spec(
             kv_cache, loaded.name, config.model.dtype, 0, tp, loaded.arch.num_kv_heads, ports, loaded.decoder.kv_groups
@@ -148,7 +137,8 @@ class LLMEngine:
         """P: give up a request's pinned KV now (D's leg failed): (known, the aborted request's output if it was
         still running). Exactly one id is given; push names the transfer id. Only a prefill leg (RemoteDecode
         params) is released: any other running request (a decode, a whole request) is unknown here."""
-        rid = request_id if request_id is not None else self._producer_of(transfer_id)
+        live = [*self.scheduler.pinned.values(), *self.scheduler.requests.values()]
+        rid = request_id if request_id is not None else self._released.producer_of(transfer_id, live)
         if rid is None:
             return False, None
         if (req := self.scheduler.requests.get(rid)) is not None:
@@ -163,14 +153,6 @@ class LLMEngine:
             self._submit_transfers()
             return True, None
         return rid in self._released, None
-
-    def _producer_of(self, transfer_id: str | None) -> str | None:
-        s = self.scheduler
-        for req in [*s.pinned.values(), *s.requests.values()]:
-            params = req.kv_transfer_params
-            if isinstance(params, RemoteDecode) and params.transfer_id == transfer_id:
-                return req.request_id
-        return self._released.request_of(transfer_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -269,22 +251,10 @@ class LLMEngine:
         return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:
-        new = req.output_token_ids[req.output_sent :]
-        req.output_sent = len(req.output_token_ids)
         finished = req.is_finished
         text = self._text.pop(req.request_id) if finished else self._text[req.request_id]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            new_token_ids=new,
-            text=text.visible(finished),
-            finished=finished,
-            finish_reason=req.finish_reason,
-            error=req.error,
-            num_cached_tokens=req.num_cached_tokens,
-            kv_transfer_params=self.kv_scheduler.take_answer(req.request_id) if finished else None,
-            timeline=req.timeline,
+        return take_output(
+            req, text.visible(finished), self.kv_scheduler.take_answer(req.request_id) if finished else None
         )
 
     # ---- introspection --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ pin are gone from the scheduler.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from pdserve.engine.request import Request
 from pdserve.kv.params import RemoteDecode
@@ -30,6 +31,11 @@ class ReleasedPins:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ids
 
-    def request_of(self, transfer_id: str | None) -> str | None:
-        """The request id a released push transfer belonged to, or None."""
+    def producer_of(self, transfer_id: str | None, live: Iterable[Request]) -> str | None:
+        """The request id of the prefill leg (RemoteDecode params) a push transfer belongs to: among `live`
+        (the scheduler's pinned and running requests) first, then among the released ones; None if unknown."""
+        for req in live:
+            params = req.kv_transfer_params
+            if isinstance(params, RemoteDecode) and params.transfer_id == transfer_id:
+                return req.request_id
         return next((rid for rid, tid in self._ids.items() if tid == transfer_id), None)
