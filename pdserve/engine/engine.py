@@ -30,15 +30,20 @@ from pdserve.engine.tp.transfer import TPWorker
 from pdserve.kv.params import KVTransferParams, PullSource, PushSource, RemoteDecode
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
+from pdserve.transfer.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, wakeup: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, config: EngineConfig, wakeup: Callable[[], None] = lambda: None, faults: Faults = NO_FAULTS
+    ) -> None:
+        """faults: a test's transfer faults (transfer/faults.py), handed to every rank's connector factory."""
         self.config = config
         tp = config.parallel.tensor_parallel_size
-        started = start_rank_zero(config)  # the TP ranks, ready (joined in shutdown()), rank 0's model and cache
+        # the TP ranks, ready (joined in shutdown()), rank 0's model and cache
+        started = start_rank_zero(config, faults)
         self.ranks: TPGroup | None = started.ranks
         loaded, kv_cache, device = started.compute.loaded, started.compute.kv_cache, started.compute.device
         self.num_blocks = started.compute.num_blocks
@@ -51,7 +56,7 @@ class LLMEngine:
         block_size = config.cache.block_size
         side_ports = self.ranks.side_ports if self.ranks is not None else ()
         self.kv_scheduler, self.kv_worker = make_connectors(
-            config.transfer, block_size, tp, side_ports, loaded.decoder.kv_groups
+            config.transfer, block_size, tp, side_ports, loaded.decoder.kv_groups, faults
         )
         if self.ranks is not None and config.transfer.is_disaggregated:
             self.kv_worker = TPWorker(self.kv_worker, self.ranks)  # every rank moves its own KV slice
