@@ -36,13 +36,15 @@ def run_child(
     from pdserve.kv.params import PullSource, PushSource, encode
     from pdserve.transfer.base import KVCacheSpec
     from pdserve.transfer.factory import make_connectors
+    from pdserve.transfer.faults import NO_FAULTS
 
     torch.set_num_threads(1)
+    faults = cfg_kwargs.pop("faults", NO_FAULTS)  # a test's Faults go to the connector factory, not the config
     cfg = TransferConfig(**cfg_kwargs)
     # windows: per model layer (kv/groups.py); every group must hold dims' layers per block
     groups = KVGroups.of(windows, len(windows)) if windows else None
     assert groups is None or groups.layers_per_block == dims[0], groups
-    sched, worker = make_connectors(cfg, block_size, kv_groups=groups)
+    sched, worker = make_connectors(cfg, block_size, kv_groups=groups, faults=faults)
     kv_shape = shape(num_blocks, block_size, dims)
     torch_dtype = getattr(torch, dtype)
     if fill == "values":  # unique values (exact in float32 up to 2**24 elements)
