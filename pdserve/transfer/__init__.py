@@ -26,9 +26,10 @@ thread/ — the transfer thread (and the side-channel thread):
   worker.py          NixlWorker: the ConnectorWorker both modes share; the side-channel request handler
   context.py         TransferContext (what a mode's core works with) and the ModeCore protocol
   pull.py            PullCore (D's READs) and PullWorker; pull_pins.py: P's pins and leases (PinKeeper);
-                     pull_read.py: one pull's state (Read); pull_confirm.py: D's deadline for P's acks
+                     pull_read.py: one pull's state (Read) and its READs; pull_confirm.py: D's deadline for P's acks
   push.py            PushCore (routes to push_send.py, P's rendezvous, and push_recv.py, D's registration and
-                     completions) and PushWorker; push_rendezvous.py: the rendezvous' state (per transfer id,
+                     completions) and PushWorker; push_dests.py: the rendezvous as D's ranks see it (their
+                     registrations, cancels, keepalives; how it ends); push_rendezvous.py: its state (per transfer id,
                      per D rank); push_write.py: one D rank's WRITE (descriptors, post, poll); push_wait.py:
                      one push recv's state on D (Wait)
   landing.py         D, both modes: what happens once a recv's KV landed (staging copy-in, then report)

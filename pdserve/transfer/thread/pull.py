@@ -20,7 +20,6 @@ import time
 from pdserve.kv.params import PullSource
 from pdserve.transfer.base import RecvTask, StepMeta
 from pdserve.transfer.faults import FaultPoint
-from pdserve.transfer.layout import LayoutError, descriptors, group_segments, num_bytes, pad_last_blocks
 from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.give_back import give_back
@@ -29,7 +28,7 @@ from pdserve.transfer.thread.landing import land, landed_from
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.thread.pull_confirm import ConfirmDeadline
 from pdserve.transfer.thread.pull_pins import PinKeeper
-from pdserve.transfer.thread.pull_read import Read, ReadState
+from pdserve.transfer.thread.pull_read import Read, ReadState, post_reads
 from pdserve.transfer.thread.worker import NixlWorker
 from pdserve.transfer.wire import Message, encode
 from pdserve.transfer.wire_notifs import PullRelease, PullReleaseAck
@@ -124,33 +123,18 @@ class PullCore:
         self.ctx.faults.defer(FaultPoint.READ, self.ctx.thread.call_at, lambda: self._post(rid, rd))
 
     def _post(self, rid: str, rd: Read) -> None:
-        """One READ per P rank that holds heads of this rank (heads.py), all posted at once."""
+        """One READ per P rank that holds heads of this rank (heads.py), all posted at once (pull_read.py)."""
         if self.reads.get(rid) is not rd:
             return
         if rd.cancelled:
             self._end(rid, rd, None)
             return
-        task, remote = rd.task, rd.remote
-        rd.posted_at, posted_wall = time.monotonic(), time.time()  # a post may complete its READ
-        for p_rank, heads in self.ctx.heads_from(rd.peers[0].info).items():
-            peer = rd.peers[p_rank]
-            try:
-                segs = group_segments(self.ctx.geometry, task.tables, peer.info.geometry,
-                                      remote.block_tables or (remote.block_ids,), self.ctx.geometry.windows,
-                                      task.start_token, task.num_tokens)  # fmt: skip
-                segs = pad_last_blocks(self.ctx.geometry, peer.info.geometry, segs)  # into D's fresh blocks: safe
-                local_descs, remote_descs = descriptors(self.ctx.spec, peer.info, segs, heads)
-                xfer = self.ctx.post("READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory)
-            except (LayoutError, AgentError) as e:
-                if isinstance(e, PeerGone):
-                    self.ctx.peers.forget(peer)
-                self._abort_reads(rd)
-                self._end(rid, rd, f"READ from {peer.engine_id} rank {p_rank} not posted: {e}")
-                return
-            rd.xfers[p_rank] = xfer
-            self.ctx.sink.posted(xfer.num_descs, xfer.post_seconds)
-            if num_bytes(self.ctx.geometry, segs, heads) != xfer.num_bytes:  # a bug in layout.py, never the peer's
-                log.error("pull: descriptor bytes %d != segment bytes", xfer.num_bytes)
+        posted_wall = time.time()
+        error = post_reads(self.ctx, rd)
+        if error is not None:
+            self._abort_reads(rd)
+            self._end(rid, rd, error)
+            return
         rd.state = ReadState.READING
         self.ctx.sink.event(rid, "transfer_posted", posted_wall)
         self._check(rid, rd)

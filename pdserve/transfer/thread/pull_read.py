@@ -1,20 +1,27 @@
 """Pull, decode side: one request's pull as D's transfer thread holds it, and the steps it goes through.
 
 A Read lives from the RecvTask to its one result: the handshake with every rank of P, one READ per P rank
-holding this rank's heads, a PullRelease to each and their PullReleaseAcks. pull.PullCore moves it from state
-to state and pull_confirm.ConfirmDeadline times its confirmation; both read it, so it lives apart from either.
+holding this rank's heads (post_reads), a PullRelease to each and their PullReleaseAcks. pull.PullCore moves it
+from state to state and pull_confirm.ConfirmDeadline times its confirmation; both read it, so it lives apart
+from either.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from dataclasses import dataclass, field
 
 from pdserve.kv.params import PullSource
 from pdserve.transfer.base import RecvTask
-from pdserve.transfer.thread.agent import Xfer
+from pdserve.transfer.layout import LayoutError, descriptors, group_segments, num_bytes, pad_last_blocks
+from pdserve.transfer.thread.agent import AgentError, PeerGone, Xfer
+from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.peers import Peer
 from pdserve.transfer.wire_notifs import PullRelease
+
+log = logging.getLogger(__name__)
 
 
 class ReadState(enum.Enum):
@@ -67,3 +74,29 @@ class Read:
     def ack_keys(self) -> list[tuple[str, str]]:
         """(P rank's agent, P's request id): how each P rank's PullReleaseAck finds this read."""
         return [(p.agent_name, self.remote.request_id) for p in self.peers.values()]
+
+
+def post_reads(ctx: TransferContext, rd: Read) -> str | None:
+    """Post one READ per P rank holding heads of this rank (heads.py) into rd.xfers: the tokens D lacks, every
+    KV group's range (layout.py), D's partial last block padded (its fresh blocks: safe). None, or why a READ
+    was not posted (the caller aborts those posted and ends the pull); a P rank found gone is forgotten."""
+    task, remote = rd.task, rd.remote
+    rd.posted_at = time.monotonic()  # a post may complete its READ
+    for p_rank, heads in ctx.heads_from(rd.peers[0].info).items():
+        peer = rd.peers[p_rank]
+        try:
+            segs = group_segments(ctx.geometry, task.tables, peer.info.geometry,
+                                  remote.block_tables or (remote.block_ids,), ctx.geometry.windows,
+                                  task.start_token, task.num_tokens)  # fmt: skip
+            segs = pad_last_blocks(ctx.geometry, peer.info.geometry, segs)
+            local_descs, remote_descs = descriptors(ctx.spec, peer.info, segs, heads)
+            xfer = ctx.post("READ", local_descs, remote_descs, peer.agent_name, remote_memory=peer.info.memory)
+        except (LayoutError, AgentError) as e:
+            if isinstance(e, PeerGone):
+                ctx.peers.forget(peer)
+            return f"READ from {peer.engine_id} rank {p_rank} not posted: {e}"
+        rd.xfers[p_rank] = xfer
+        ctx.sink.posted(xfer.num_descs, xfer.post_seconds)
+        if num_bytes(ctx.geometry, segs, heads) != xfer.num_bytes:  # a bug in layout.py, never the peer's
+            log.error("pull: descriptor bytes %d != segment bytes", xfer.num_bytes)
+    return None

@@ -287,9 +287,7 @@ class RecvSide:
         del self.waits[rid]
         del self.by_key[w.key]
         if kind is RecvEnd.FINISHED:  # the WRITE's duration is P's to record; D only waited
-            peer_bs = w.peers[
-                0
-            ].info.geometry.block_size  # finished: every producer's PushDone came, after the handshake
+            peer_bs = w.peers[0].info.geometry.block_size  # every producer's PushDone came, after the handshake
             self.ctx.sink.recv_finished(rid, w.num_bytes, None, landed_from(self.ctx, w.task, peer_bs))
         elif kind is RecvEnd.CANCELLED:
             self.ctx.sink.recv_cancelled(rid)
