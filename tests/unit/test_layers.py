@@ -118,6 +118,14 @@ def test_server_and_router_import_nothing_of_transfer() -> None:
     assert edges == set()
 
 
+def test_nothing_in_the_product_imports_the_test_drivers() -> None:
+    """pdserve/testing/ drives the transfer tests and benchmarks (a connector pair in a child process); no other
+    module imports it. Every import statement counts."""
+    in_testing = lambda m: m == "pdserve.testing" or m.startswith("pdserve.testing.")
+    edges = {(m, t) for m, targets in import_graph().items() if not in_testing(m) for t in targets if in_testing(t)}
+    assert edges == set()
+
+
 def test_router_and_bench_speak_http_only() -> None:
     loaded = loaded_after_import(*all_modules("pdserve.router"), *all_modules("pdserve.bench"), "pdserve.web")
     bad = {m for m in loaded if m.startswith(("pdserve.engine", "pdserve.model", "pdserve.server", "pdserve.transfer"))}
