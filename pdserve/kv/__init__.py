@@ -7,4 +7,6 @@ request path import it without the data plane:
   decode.py      kv_transfer_params in: decode / decode_answer, the edge's validation (a 400 naming the key)
   capability.py  capabilities on kv_transfer_params: issued by P (pull) or the router (push), checked at the edge
   groups.py      the KV cache's layer groups (sliding windows): which layers share a block, STALE entries
+  geometry.py    CacheGeometry: the block-major cache's sizes and byte offsets, which the engine allocates,
+                 KVCacheSpec and the handshake's PeerInfo carry, and the transfer layout addresses
 """
