@@ -14,6 +14,8 @@ NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 4  # the tests' tiny cache
 
 
 def shape(num_blocks: int, block_size: int, dims: tuple[int, int, int] = (NUM_LAYERS, NUM_HEADS, HEAD_DIM)) -> tuple:
+    """The cache tensor's shape: [num_blocks, layers, 2 (K, V), heads, block_size, head_dim]; dims = (layers,
+    heads, head_dim)."""
     layers, heads, head_dim = dims
     return (num_blocks, layers, 2, heads, block_size, head_dim)
 
@@ -22,6 +24,9 @@ def run_child(
     conn: Any, cfg_kwargs: dict[str, Any], block_size: int, num_blocks: int, fill: str, model: str, dims: tuple,
     env: dict[str, str], device: str, windows: tuple[int | None, ...] = (), dtype: str = "float32",
 ) -> None:  # fmt: skip
+    """The child process: builds its connectors from cfg_kwargs (TransferConfig's fields; "faults" goes to the
+    factory), registers a cache of `shape` filled per `fill`, answers ("ready", the scheduler's info) on `conn`,
+    then runs the engine's loop and answers each command with ("ok", reply) until "shutdown"."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update(env)
     import logging
