@@ -100,7 +100,7 @@ def decode_geometry(v: Any) -> CacheGeometry:
     windows = _check(PeerInfo, "geometry.group_windows", v.get("group_windows"), list[int])
     layers = _check(PeerInfo, "geometry.group_layers", v.get("group_layers"), list[list[int]])
     if len(windows) != len(layers) or not layers or len({len(t) for t in layers}) != 1:
-        raise WireError(f"PeerInfo.geometry: bad KV groups (windows {windows}, layers {layers})")
+        raise WireError("PeerInfo.geometry: bad KV groups (one or more, one window each, equal layer counts)")
     groups = KVGroups(tuple(KVGroup(w or None, tuple(t)) for w, t in zip(windows, layers, strict=True)), len(layers[0]))
     try:
         return CacheGeometry(v["num_blocks"], v["block_size"], v["num_kv_heads"], v["total_kv_heads"], v["head_dim"],
