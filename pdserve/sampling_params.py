@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # Below this temperature sampling is greedy: softmax(logits / t) is one-hot to float32 precision long before
 # t reaches 1e-5 for any realistic logit gap, and dividing by 1e-40 overflows to inf.
@@ -57,5 +58,5 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @classmethod
-    def greedy(cls, max_tokens: int = 16, **kw: object) -> SamplingParams:
-        return cls(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+    def greedy(cls, max_tokens: int = 16, **kw: Any) -> SamplingParams:
+        return cls(max_tokens=max_tokens, temperature=0.0, **kw)

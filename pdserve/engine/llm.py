@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Literal, cast
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
@@ -20,9 +20,9 @@ class LLM:
         self,
         model: str = "smollm2-135m",
         *,
-        dtype: str = "float32",
+        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         device: str = "cpu",
-        load_format: str = "auto",
+        load_format: Literal["auto", "dummy"] = "auto",
         max_model_len: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -36,7 +36,7 @@ class LLM:
         enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model, dtype, device, load_format, max_model_len, seed, num_threads, enforce_eager),  # type: ignore[arg-type]
+            model=ModelConfig(model, dtype, device, load_format, max_model_len, seed, num_threads, enforce_eager),
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gib, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size),
@@ -63,12 +63,12 @@ class LLM:
             request_id = f"offline-{self._counter}"
             self.engine.add_request(request_id, token_ids, params)
             order[request_id] = i
-        results: list[RequestOutput | None] = [None] * len(order)
-        while any(r is None for r in results):
+        finished: dict[int, RequestOutput] = {}
+        while len(finished) < len(order):
             for out in self.engine.step():
                 if out.finished and out.request_id in order:
-                    results[order[out.request_id]] = out
-        return results  # type: ignore[return-value]
+                    finished[order[out.request_id]] = out
+        return [finished[i] for i in range(len(order))]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:

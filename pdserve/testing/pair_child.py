@@ -101,10 +101,13 @@ def run_child(
                 except ValueError as e:  # the server's 400: the test's call() raises it
                     reply = e
             elif cmd == "alloc":  # (request id, blocks, local tokens, prompt tokens[, a table per KV group])
-                sched.on_blocks_allocated(*args[:4], params.pop(args[0]), block_tables=args[4] if args[4:] else ())
+                rid, blocks, num_local, num_prompt = args[:4]
+                tables = args[4] if args[4:] else ()
+                sched.on_blocks_allocated(rid, blocks, num_local, num_prompt, params.pop(rid), block_tables=tables)
             elif cmd == "finish":  # -> (keep blocks, the response's kv_transfer_params as JSON)
                 tables = args[4] if args[4:] else ()  # a table per KV group (windowed models)
-                keep = sched.on_request_finished(*args[:3], decode(args[3]), block_tables=tables)
+                rid, blocks, num_tokens = args[:3]
+                keep = sched.on_request_finished(rid, blocks, num_tokens, decode(args[3]), block_tables=tables)
                 answer = sched.take_answer(args[0])
                 reply = keep, None if answer is None else encode(answer)
             elif cmd == "abort":

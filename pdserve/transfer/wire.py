@@ -255,7 +255,8 @@ def decode(data: bytes) -> Message:
         raise WireError("message is not a map")
     if obj.get("v") != WIRE_VERSION:
         raise WireError(f"wire version {obj.get('v')!r}, this instance speaks {WIRE_VERSION}")
-    cls = _TYPES.get(obj.get("type"))  # type: ignore[arg-type]
+    kind = obj.get("type")
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise WireError(f"unknown message type {obj.get('type')!r}")
     return _build(cls, obj)

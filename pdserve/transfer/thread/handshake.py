@@ -221,10 +221,11 @@ class SideChannel:
     def request(self, host: str, port: int, msg: Message, timeout_s: float, callback: ReplyCallback) -> None:
         """Send msg to host:port and call callback(reply, None) or callback(None, error) on the side-channel
         thread. Thread-safe; never blocks."""
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             callback(None, "side channel is not running")
             return
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._ask(host, port, msg, timeout_s, callback)))  # type: ignore[union-attr]
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._ask(host, port, msg, timeout_s, callback)))
 
     async def _ask(self, host: str, port: int, msg: Message, timeout_s: float, callback: ReplyCallback) -> None:
         try:
