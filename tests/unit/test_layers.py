@@ -77,6 +77,8 @@ NO_TORCH = [
     "pdserve.web",
     "pdserve.openai_request",
     "pdserve.server.api",
+    "pdserve.server.routes",
+    "pdserve.server.answer",
     "pdserve.server.state",
     "pdserve.server.streams",
     "pdserve.server.metrics",
