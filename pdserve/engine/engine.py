@@ -222,11 +222,13 @@ class LLMEngine:
         for rid in res.finished_recvs:
             self.scheduler.on_kv_received(rid, res.landed_from.get(rid, ()))
         recompute = self.config.transfer.load_failure_policy == "recompute"
+        refused = set(res.refused_recvs)  # the producer holds no KV under these coordinates: the request's error
         for rid, reason in res.failed_recvs:
             req = self.scheduler.on_kv_failed(rid, recompute)
             if req is not None:
                 self.scheduler.finish(req, "error", f"KV transfer failed: {reason}")
                 outputs.append(self._output(req))
+                outputs[-1].client_error = rid in refused
         for rid in res.cancelled_recvs:
             self.scheduler.on_recv_cancelled(rid)
         for rid in res.finished_sends:

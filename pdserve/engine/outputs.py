@@ -18,6 +18,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # set when finish_reason == "error"
+    client_error: bool = False  # the error is the request's own (its kv_transfer_params name KV nobody holds)
     released: bool = False  # P, "abort": its consumer gave the KV up (POST /kv_transfer/release), not a failure
     kv_transfer_params: KVAnswer | None = None  # P, finished: where D finds this request's KV (the connector's answer)
     num_cached_tokens: int = 0  # prompt tokens served from the local prefix cache or received remotely

@@ -10,6 +10,7 @@ from starlette.background import BackgroundTask
 
 from pdserve.auth import AuthError
 from pdserve.engine.client import AddRequest
+from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.decode import decode
 from pdserve.kv.params import KVParamsError, PullSource, RemoteDecode
 from pdserve.openai_request import SamplingFields
@@ -66,6 +67,8 @@ async def answer(
     handed_over = False  # True once a streaming response owns `run` (it closes it)
     try:
         first = await run.first()  # bad input surfaces here, before any byte of the answer is sent
+        if first is not None and first.finish_reason == "error" and not first.token_ids:
+            return _failed(run, first)  # failed before its first token (its KV never came): a status, not a stream
         if body.stream:
             events = renderer.events(run, first)
             handed_over = True
@@ -81,10 +84,18 @@ async def answer(
                 499, f"request {request_id} was released (POST /kv_transfer/release) before its prefill finished"
             )
         if out is None or not out.finished or out.finish_reason in ("error", "abort"):
-            run.status = 500
-            message = (out.error if out is not None else None) or f"request {request_id} was aborted by the engine"
-            return error_response(500, message)
+            return _failed(run, out)
         return JSONResponse(renderer.response(out), headers=headers)
     finally:
         if not handed_over:
             await run.close()
+
+
+def _failed(run: RequestRun, out: RequestOutput | None) -> Response:
+    """The error answer of a request the engine ended with an error or an abort: a 400 when the error is the
+    request's own (kv_transfer_params naming KV its producer does not hold: stale, forged or replayed), else 500."""
+    run.status = 400 if out is not None and out.client_error else 500
+    message = (out.error if out is not None else None) or f"request {run.request_id} was aborted by the engine"
+    if run.status == 400:
+        message = f"invalid kv_transfer_params: {message}"
+    return error_response(run.status, message)

@@ -129,6 +129,9 @@ class TransferResults:
 
     finished_recvs: list[str] = field(default_factory=list)  # KV landed: the request may run
     failed_recvs: list[tuple[str, str]] = field(default_factory=list)  # (id, reason); blocks safe to reuse
+    # of failed_recvs, those whose producer answered that it holds no such KV (its coordinates are stale, forged
+    # or replayed): the request's own error, not the instance's
+    refused_recvs: list[str] = field(default_factory=list)
     cancelled_recvs: list[str] = field(default_factory=list)  # aborted recvs whose blocks are safe to free
     finished_sends: list[str] = field(default_factory=list)  # P: blocks may be freed (consumed or expired)
     events: list[tuple[str, str, float]] = field(default_factory=list)  # (request id, event, time.time())

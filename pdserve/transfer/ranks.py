@@ -23,7 +23,7 @@ from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults,
 # 3: TransferResults.landed_from (per finished recv, each KV group's first token landed) (2026-12-05).
 # 4: TransferStats.checksum_failures (--kv-checksum) (2026-12-03).
 # 5: StepMeta.refusals (D: coordinates of requests refused before admission, for their producer) (2026-12-03).
-RANKS_VERSION = 5
+RANKS_VERSION = 6
 
 
 class RanksError(ValueError):
@@ -68,7 +68,8 @@ def _tables(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
 def encode_results(res: TransferResults, stats: TransferStats) -> bytes:
     return msgpack.packb(
         {"v": RANKS_VERSION, "finished_recvs": res.finished_recvs, "failed_recvs": res.failed_recvs,
-         "cancelled_recvs": res.cancelled_recvs, "finished_sends": res.finished_sends, "events": res.events,
+         "refused_recvs": res.refused_recvs, "cancelled_recvs": res.cancelled_recvs,
+         "finished_sends": res.finished_sends, "events": res.events,
          "landed_from": [[rid, list(firsts)] for rid, firsts in res.landed_from.items()],
          "stats": [stats.sent_bytes, stats.received_bytes, stats.transfers_ok, stats.transfers_failed,
                    stats.transfers_expired, stats.transfer_seconds, stats.posts, stats.checksum_failures]},
@@ -77,10 +78,15 @@ def encode_results(res: TransferResults, stats: TransferStats) -> bytes:
 
 def decode_results(data: bytes) -> tuple[TransferResults, TransferStats]:
     m = _map(data)
-    res = TransferResults(list(m["finished_recvs"]), [(a, b) for a, b in m["failed_recvs"]],
-                          list(m["cancelled_recvs"]), list(m["finished_sends"]),
-                          [(a, b, c) for a, b, c in m["events"]],
-                          {rid: tuple(firsts) for rid, firsts in m["landed_from"]})  # fmt: skip
+    res = TransferResults(
+        finished_recvs=list(m["finished_recvs"]),
+        failed_recvs=[(a, b) for a, b in m["failed_recvs"]],
+        refused_recvs=list(m["refused_recvs"]),
+        cancelled_recvs=list(m["cancelled_recvs"]),
+        finished_sends=list(m["finished_sends"]),
+        events=[(a, b, c) for a, b, c in m["events"]],
+        landed_from={rid: tuple(firsts) for rid, firsts in m["landed_from"]},
+    )
     s = m["stats"]
     stats = TransferStats(s[0], s[1], s[2], s[3], s[4], list(s[5]), [(a, b) for a, b in s[6]], s[7])
     return res, stats
@@ -102,6 +108,7 @@ class _Recv:
 
     ends: dict[int, str] = field(default_factory=dict)  # rank -> "finished" | "failed" | "cancelled"
     reason: str = ""  # the first failure's
+    refused: bool = False  # the first failure was the producer refusing the coordinates (TransferResults)
     engine_cancelled: bool = False  # the engine aborted it (reported as cancelled)
     cancels_sent: bool = False  # the other ranks were asked to cancel after a failure
     landed_from: tuple[int, ...] = ()  # per KV group, the latest first token landed any rank reported
@@ -130,8 +137,9 @@ class RankMerger:
         self._out.events.extend(res.events)
         for rid in res.finished_recvs:
             self._recv_end(rank, rid, "finished", "", res.landed_from.get(rid, ()))
+        refused = set(res.refused_recvs)
         for rid, reason in res.failed_recvs:
-            self._recv_end(rank, rid, "failed", reason)
+            self._recv_end(rank, rid, "failed", reason, refused=rid in refused)
         for rid in res.cancelled_recvs:
             self._recv_end(rank, rid, "cancelled", "")
         for rid in res.finished_sends:
@@ -141,7 +149,9 @@ class RankMerger:
                 del self._sends[rid]
                 self._out.finished_sends.append(rid)
 
-    def _recv_end(self, rank: int, rid: str, end: str, reason: str, landed_from: tuple[int, ...] = ()) -> None:
+    def _recv_end(
+        self, rank: int, rid: str, end: str, reason: str, landed_from: tuple[int, ...] = (), refused: bool = False
+    ) -> None:
         rv = self._recvs.get(rid)
         if rv is None:
             return  # not a recv this instance started (never: every rank gets the same StepMeta)
@@ -151,6 +161,7 @@ class RankMerger:
             rv.landed_from = tuple(max(a, b) for a, b in zip(mine, landed_from, strict=True))
         if end == "failed" and not rv.reason:
             rv.reason = reason if self.num_ranks == 1 else f"tensor-parallel rank {rank}: {reason}"
+            rv.refused = refused
         if end == "failed" and not rv.cancels_sent and len(rv.ends) < self.num_ranks:
             rv.cancels_sent = True  # the other ranks' parts end early (nothing more lands, then they report)
             self._followup.cancels.append(rid)
@@ -165,6 +176,8 @@ class RankMerger:
                 self._out.landed_from[rid] = rv.landed_from
         else:
             self._out.failed_recvs.append((rid, rv.reason or "a tensor-parallel rank cancelled its part"))
+            if rv.refused:
+                self._out.refused_recvs.append(rid)
 
     def take(self) -> tuple[TransferResults, StepMeta]:
         out, self._out = self._out, TransferResults()

@@ -248,6 +248,28 @@ def test_unauthenticated_kv_never_enters_ds_prefix_cache(deployment: Deployment)
     assert moved == (num_prompt - 1) * BYTES_PER_TOKEN  # no prefix hit on D: everything moved again
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_replayed_or_made_up_pull_coordinates_are_the_clients_error(deployment: Deployment, stream: bool) -> None:
+    """Issue 26 item 7: without a secret D's edge cannot tell replayed or made-up pull coordinates from genuine
+    ones, but P can: it holds no pin for them and says so in its answer to D's release. D answers the client 400
+    (invalid_request_error) naming that, streamed or not, instead of a 500 (a made-up id: after D's 4 s
+    confirmation timeout); every block comes back on both sides."""
+    pair = deployment.open_pull()
+    prompt = f"[{'stream' if stream else 'whole'}] " + GERMANY
+    leg = {**GREEDY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    answer = post(pair.p.url, "/v1/completions", {"prompt": prompt, **leg}).json()["kv_transfer_params"]
+    assert tokens(completion(pair.d.url, prompt, answer))  # the genuine use
+    for kv in (answer, {**answer, "remote_request_id": "req-made-up"}):
+        resp = completion(pair.d.url, prompt, kv, stream=stream)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert "holds no KV under these coordinates" in error["message"], error
+    for proc in (pair.p, pair.d):
+        m = wait_idle(proc.url)
+        assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], proc.name
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_d_caches_received_kv_only_with_a_secret(deployment: Deployment, mode: str) -> None:
     """The same prompt, then it extended: with a secret D's second request hits its prefix cache (only the suffix

@@ -146,3 +146,18 @@ def test_padded_last_block_stays_one_descriptor_per_region() -> None:
     other = cache(R_BASE, LAYERS, NB, 2 * BS, 4)  # block sizes differ: nothing padded
     segs = token_segments(local.geometry, [0, 1], other.geometry, [1], 0, BS + 1)
     assert pad_last_blocks(local.geometry, other.geometry, segs) == segs
+
+
+def test_a_refused_recv_stays_the_requests_error_across_the_ranks() -> None:
+    """A recv whose producer said it holds no such KV (TransferResults.refused_recvs: D answers its client 400)
+    is still marked so after the wire between ranks and the merger; another rank's plain failure is not."""
+    res = TransferResults(failed_recvs=[("b", "no pin here")], refused_recvs=["b"])
+    assert decode_results(encode_results(res, TransferStats()))[0] == res
+    src = PushSource("t", "h", 1, "e")
+    m = RankMerger(2)
+    m.see(StepMeta(recvs=[RecvTask("b", (1,), 0, 4, src), RecvTask("c", (2,), 0, 4, src)]))
+    m.add(0, res)
+    m.add(1, TransferResults(cancelled_recvs=["b"], failed_recvs=[("c", "handshake failed")]))
+    m.add(0, TransferResults(cancelled_recvs=["c"]))
+    out, _ = m.take()
+    assert sorted(rid for rid, _ in out.failed_recvs) == ["b", "c"] and out.refused_recvs == ["b"]

@@ -197,8 +197,9 @@ class PullCore:
         rd.unacked.discard(p_rank)
         rd.sent_sums[p_rank] = msg.checksum
         self.ctx.sink.event(rid, f"pull_ack.r{self.ctx.spec.tp_rank}.p{p_rank}")
-        if not msg.held:
-            self._end(rid, rd, f"the prefill instance's pin did not hold until the READ was over ({msg.reason})")
+        if not msg.held:  # P holds no such pin (any more): the coordinates are the request's error
+            reason = f"the prefill instance holds no KV under these coordinates: {msg.reason}"
+            self._end(rid, rd, reason, refused=True)
         elif rd.unacked:
             return  # other P ranks still to confirm
         elif rd.cancelled:
@@ -233,8 +234,9 @@ class PullCore:
                 return
         self._end(rid, rd, error)
 
-    def _end(self, rid: str, rd: Read, error: str | None) -> None:
-        """The recv is over and its blocks are safe: report it once, then free P's blocks on every rank."""
+    def _end(self, rid: str, rd: Read, error: str | None, refused: bool = False) -> None:
+        """The recv is over and its blocks are safe: report it once, then free P's blocks on every rank (refused:
+        the error is P's answer that it holds no KV under the request's coordinates)."""
         del self.reads[rid]
         if rd.state is ReadState.READING:  # its READs are over (DONE, failed or cancelled)
             self.deadline.reads_over(rd)
@@ -249,7 +251,7 @@ class PullCore:
             self.ctx.sink.recv_finished(rid, nbytes, secs, landed_from(self.ctx, rd.task, peer_bs))
         else:
             log.warning("pull of %s failed: %s", rid, error)
-            self.ctx.sink.recv_failed(rid, error)
+            self.ctx.sink.recv_failed(rid, error, refused)
         self._release(rd, ok=error is None and not rd.cancelled)
 
     def _release(self, rd: Read, ok: bool) -> None:

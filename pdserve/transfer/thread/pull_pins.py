@@ -4,13 +4,16 @@ pin held throughout (docs/architecture.md, "Pull"). D's half (the READs) is pull
 
 A release names the blocks it read: only a pin of exactly those blocks is freed (a stale or forged release
 cannot free another request's). A release that arrives before its SendTask (the engine holds the blocks
-until then) waits in `early`; one that arrives after the pin ended without it (lease expired, engine released
-it) is answered held=False from `gone`.
+until then) waits in `early`, for EARLY_GRACE_S at most: a release for a request this rank never pinned (a
+forged or made-up id) is answered held=False then, so D refuses its client at once instead of waiting out its
+own confirmation timeout. One that arrives after the pin ended without it (lease expired, engine released it)
+is answered held=False from `gone`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -26,6 +29,10 @@ log = logging.getLogger(__name__)
 
 MAX_EARLY_RELEASES = 4096  # releases that arrived before their SendTask (kept briefly)
 MAX_GONE_PINS = 16384  # request ids whose pins ended without a release (expired, released), for late releases
+# a release before its SendTask waits this long for it (the SendTask leaves P's engine before P's answer does, so
+# a genuine one is here within a transfer-thread turn); well under D's confirmation timeout (peer_timeout_s)
+EARLY_GRACE_S = 1.0
+NEVER_PINNED = "no pin of this request here (never issued by this instance, or released long ago)"
 
 
 @dataclass
@@ -68,6 +75,8 @@ class PinKeeper:
             if (why := self.gone.get(rid)) is not None:
                 self._ack(sender, msg, False, why)
             else:  # before its SendTask (the engine holds the blocks until then), or unknown: answered at the pin
+                if rid not in self.early:
+                    self.ctx.thread.call_at(time.monotonic() + EARLY_GRACE_S, lambda: self._never_pinned(rid))
                 self.early.setdefault(rid, []).append((sender, msg))
                 while len(self.early) > MAX_EARLY_RELEASES:
                     self.early.popitem(last=False)
@@ -89,6 +98,11 @@ class PinKeeper:
             del self.pinned[rid]
             self._gone(rid, "every rank of the consumer released it already")  # a later release: held=False now
             self.ctx.sink.send_finished(rid, SendOutcome.OK if pin.ok else SendOutcome.FAILED, pin.num_bytes)
+
+    def _never_pinned(self, rid: str) -> None:
+        """EARLY_GRACE_S after a release for a request with no pin: if it is still not pinned, say so."""
+        for sender, msg in self.early.pop(rid, []):
+            self._ack(sender, msg, False, NEVER_PINNED)
 
     def _ack(self, sender: str, msg: PullRelease, held: bool, reason: str, checksum: list[int] | None = None) -> None:
         if not msg.ok:

@@ -43,9 +43,12 @@ class ResultSink:
                 self._stats.transfer_seconds.append(seconds)
         self.wakeup()
 
-    def recv_failed(self, request_id: str, reason: str) -> None:
+    def recv_failed(self, request_id: str, reason: str, refused: bool = False) -> None:
+        """refused: the producer answered that it holds no KV under the recv's coordinates (TransferResults)."""
         with self._lock:
             self._results.failed_recvs.append((request_id, reason))
+            if refused:
+                self._results.refused_recvs.append(request_id)
             self._stats.transfers_failed += 1
         self.wakeup()
 
