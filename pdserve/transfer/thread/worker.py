@@ -167,7 +167,13 @@ class NixlWorker(ConnectorWorker):
                         stager.stage_out(table, first, max(0, send.num_tokens - first), engine_thread=True)
             else:  # push: the transfer thread copies just before its WRITE, after this point of the stream
                 stager.mark_ready()
-        self.thread.post(lambda: core.on_step(meta, time.monotonic()))
+
+        def on_step() -> None:  # "send_taken": when this thread got a finished prefill (the hand-over's first part)
+            for send in meta.sends:
+                self.sink.event(send.request_id, "send_taken")
+            core.on_step(meta, time.monotonic())
+
+        self.thread.post(on_step)
 
     def poll_results(self) -> TransferResults:
         return self.sink.drain()
