@@ -15,9 +15,11 @@ from typing import Any
 import aiohttp
 
 from pdserve.arg_types import non_negative_float, non_negative_int, positive_float, positive_int, rate, unit_interval
+from pdserve.bench import workload
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.dataset import random_requests
-from pdserve.bench.metrics import calculate_metrics, format_summary, parse_goodput
+from pdserve.bench.metrics import calculate_metrics, format_quarters, format_summary, parse_goodput
+from pdserve.bench.multiturn import ttft_turn_medians_ms
 from pdserve.bench.runner import LoadConfig, run_load
 from pdserve.bench.tokenizer import Vocab, load_vocab
 
@@ -31,9 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer for prompts (default: --model; smollm2-135m is built in)"
     )
-    parser.add_argument("--num-prompts", type=positive_int, default=100, help="requests to send (after warm-ups)")
     parser.add_argument(
-        "--request-rate", type=rate, default=math.inf, help="requests/s, Poisson arrivals; inf = all at once"
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help=f"requests to send after warm-ups (default {workload.DEFAULT_NUM_PROMPTS}; multiturn: users x turns)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=rate,
+        default=math.inf,
+        help="requests/s (multiturn: conversations started/s), Poisson arrivals; inf = all at once",
     )
     parser.add_argument(
         "--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson"
@@ -44,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--random-input-len",
         dest="input_len",
         type=positive_int,
-        default=1024,
-        help="prompt tokens per request",
+        default=None,
+        help="new prompt tokens per request: the whole prompt (random, default 1024), the user's tokens added "
+        "each turn (multiturn, default 256), the question after the document (shared-prefix, default 128)",
     )
     parser.add_argument(
         "--output-len",
@@ -84,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id-prefix", default=None, help="X-Request-Id prefix (default bench<seed>)")
     parser.add_argument("--timeout", type=positive_float, default=6 * 3600.0, help="seconds per request")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    workload.add_arguments(parser)
 
 
 async def first_model(base_url: str) -> tuple[str, str]:
@@ -130,13 +142,20 @@ async def benchmark(args: argparse.Namespace, vocab: Vocab | None = None, log: C
         show_progress=not args.disable_tqdm,
     )
     prefix = args.request_id_prefix or f"bench{args.seed}"
-    requests = random_requests(
-        vocab, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed, is_chat, prefix
-    )
+    args.num_prompts = workload.resolve_num_prompts(args)
+    args.input_len = workload.input_len(args)
+    work = workload.build(args, vocab, is_chat, prefix)
     warmups = []
-    if args.num_warmups > 0:  # prompts of their own, so they warm the server without seeding its prefix cache
+    if args.num_warmups > 0:  # random prompts of their own: they warm the server without seeding its prefix cache
         warmups = random_requests(
-            vocab, args.num_warmups, args.input_len, args.output_len, 0.0, args.seed + 7919, is_chat, prefix + "-warmup"
+            vocab,
+            args.num_warmups,
+            work.warmup_input_len,
+            args.output_len,
+            0.0,
+            args.seed + 7919,
+            is_chat,
+            prefix + "-warmup",
         )
     client = ClientConfig(
         api_url=base_url + args.endpoint,
@@ -147,11 +166,12 @@ async def benchmark(args: argparse.Namespace, vocab: Vocab | None = None, log: C
         return_token_ids=args.return_token_ids,
     )
     log(
-        f"bench: {args.num_prompts} requests to {client.api_url}, input {args.input_len} output {args.output_len} "
+        f"bench: {args.num_prompts} requests to {client.api_url}, dataset {args.dataset} {work.params}, "
+        f"input {args.input_len} output {args.output_len} "
         f"tokens, rate {args.request_rate} req/s (burstiness {args.burstiness}), max concurrency "
         f"{args.max_concurrency}, {args.num_warmups} warmups"
     )
-    outputs, duration = await run_load(client, requests, load, warmups)
+    outputs, duration = await run_load(client, work.arrivals, load, warmups)
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if is_chat else "openai",
@@ -169,9 +189,16 @@ async def benchmark(args: argparse.Namespace, vocab: Vocab | None = None, log: C
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
         "goodput_slos_ms": goodput or None,
+        "dataset": args.dataset,
+        "dataset_params": work.params,
     }
     result.update(calculate_metrics(outputs, duration, goodput, percentiles))
+    if args.dataset == "multiturn":  # TTFT by place in the conversation: later turns resend longer histories
+        ttfts = [o.ttft if o.success else None for o in outputs]
+        result["ttft_turn_medians_ms"] = ttft_turn_medians_ms(result["turns"], ttfts)
     log(format_summary(result, percentiles))
+    if "ttft_turn_medians_ms" in result:
+        log(f"median TTFT per turn (ms): {format_quarters(result['ttft_turn_medians_ms'])}")
     path = result_path(args, args.model)
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -34,7 +34,10 @@ class RequestOutput:
     latency: float = 0.0  # request sent -> last token chunk
     start_time: float = 0.0  # unix time the request was sent
     generated_text: str = ""
+    output_ids: list[int] = field(default_factory=list)  # the answer's token ids, when the chunks carry them
     error: str = ""
+    user: int = 0  # the request's SampleRequest.user
+    turn: int = 0  # the request's SampleRequest.turn
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ async def _sse_events(response: aiohttp.ClientResponse):
 
 async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: SampleRequest) -> RequestOutput:
     """Send one streaming request and time it; never raises (failures land in `error`)."""
-    out = RequestOutput(request_id=req.request_id, prompt_len=req.prompt_len)
+    out = RequestOutput(request_id=req.request_id, prompt_len=req.prompt_len, user=req.user, turn=req.turn)
     headers = {"X-Request-Id": req.request_id}
     payload = build_payload(cfg, req)
     num_chunk_tokens = 0  # tokens seen in the stream's chunks
@@ -142,6 +145,8 @@ async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: S
                 for choice in message.get("choices") or []:
                     num_tokens = count_tokens(choice, cfg.is_chat)
                     text_parts.append(choice_text(choice, cfg.is_chat))
+                    if isinstance(choice.get("token_ids"), list):
+                        out.output_ids.extend(int(t) for t in choice["token_ids"])
                     if num_tokens == 0:
                         continue
                     if num_chunk_tokens == 0:

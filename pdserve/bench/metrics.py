@@ -10,7 +10,8 @@
   successful requests; all zero when none succeeded.
 - Throughputs divide by the wall time of the whole run (`duration`).
 - Per-request lists (`input_lens`, `output_lens`, `ttfts`, `itls`, `latencies`, `errors`) keep every request
-  in send order; a failed request has output_len 0.
+  in send order; a failed request has output_len 0. pdserve adds `users` and `turns`: who sent each request
+  and its place in that user's conversation (multiturn; elsewhere each request is user i's turn 0).
 - Steady state (pdserve's addition; vLLM's keys are unchanged): the requests are split by send order (= arrival
   order) into four quarters of the run, sizes differing by at most one; `ttft_quarter_medians_ms` and
   `tpot_quarter_medians_ms` are each quarter's median over its successful requests (None for a quarter
@@ -143,6 +144,8 @@ def calculate_metrics(
         "request_ids": [o.request_id for o in outputs],
         "generated_texts": [o.generated_text for o in outputs],
         "errors": [o.error for o in outputs],
+        "users": [o.user for o in outputs],
+        "turns": [o.turn for o in outputs],
     }
     for key, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         for stat, value in _stats(values, percentiles).items():
