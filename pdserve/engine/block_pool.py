@@ -15,31 +15,32 @@ block merges with its free neighbours, so a request's blocks come back as the ru
 allocation: O(blocks taken), plus a sort of the free runs when no single run holds the request; per free: O(1)
 per block. Measured: a 1,024-block request after heavy churn of a 22,800-block pool takes ~0.5 ms.
 
-Prefix-cache hashes are blake2b digests (128 bits) chained over the parent's digest and the token ids, so a hit
-is a match of every token from position 0 (a collision is as likely as guessing a 128-bit key), unlike a Python
-hash() of a tuple, which collides on crafted or merely unlucky inputs and silently serves another prompt's KV.
+Prefix-cache hashes are blake2b digests (128 bits) chained over the parent's digest and the token ids
+(kv/block_hashes.py), so a hit is a match of every token from position 0 (a collision is as likely as guessing a
+128-bit key), unlike a Python hash() of a tuple, which collides on crafted or merely unlucky inputs and silently
+serves another prompt's KV.
+
+KV events: with an event log attached (record_events; engine/kv_events.py), every key that enters the prefix
+cache (cache()) or leaves it (an eviction in allocate()) is recorded there, O(1) per block, in the order the
+pool's own map changes: the log's set of keys is always the pool's.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-BlockHash = bytes  # 16-byte chained digest of a full block (hash_block)
+from pdserve.kv.block_hashes import BlockHash, hash_block
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_events import KVEventLog
+
+__all__ = ["BlockHash", "BlockPool", "NoFreeBlocks", "hash_block"]
 
 
 class NoFreeBlocks(RuntimeError):
     pass
-
-
-def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained digest of one full block: equal digests mean equal tokens from position 0 up to this block's end."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash if parent_hash is not None else b"root")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 class _Runs:
@@ -128,11 +129,19 @@ class BlockPool:
         self._runs = _Runs(num_blocks)  # free blocks without a hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free blocks with a hash, least recently freed first
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
+        self._events: KVEventLog | None = None  # where cache changes are recorded (record_events)
 
     @property
     def num_free(self) -> int:
         """Blocks a new allocation could take (truly free plus evictable prefix-cache blocks)."""
         return self._runs.count + len(self._evictable)
+
+    def record_events(self, log: KVEventLog | None) -> None:
+        """From now on record every key entering or leaving the prefix cache in `log` (None: stop), which starts
+        from the keys cached now. Call it from the thread that owns the pool (or before that thread starts)."""
+        if log is not None:
+            log.restart(self._cached)
+        self._events = log
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_cnt[block_id]
@@ -170,6 +179,8 @@ class BlockPool:
         h = self._hash[block_id]
         if h is not None and self._cached.get(h) == block_id:
             del self._cached[h]
+            if self._events is not None:
+                self._events.removed(h)
         self._hash[block_id] = None
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -216,3 +227,5 @@ class BlockPool:
         if block_hash not in self._cached:
             self._cached[block_hash] = block_id
             self._hash[block_id] = block_hash
+            if self._events is not None:
+                self._events.stored(block_hash)

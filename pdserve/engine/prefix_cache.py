@@ -1,17 +1,19 @@
 """The prefix cache's policy: which cached blocks a new request resumes from, and which of its blocks to register.
 
-Block hashes are chained (engine/block_pool.hash_block) and memoised on the request; a windowed KV group
-(kv/groups.py) keys its blocks apart from group 0's and needs only the window's blocks, the entries before
-them STALE. Lives apart from the scheduler because it is one policy with its own invariants (a hit never covers
-the last token; a block with rows D never received is never registered, nor any block of a request whose KV was
-received unauthenticated: Request.cache_blocks) that the token-budget loop only calls.
+Block hashes are chained (kv/block_hashes.py, the scheme GET /kv_events states) and memoised on the request; a
+windowed KV group (kv/groups.py) keys its blocks apart from group 0's (block_hashes.group_key) and needs only
+the window's blocks, the entries before them STALE. Lives apart from the scheduler because it is one policy with
+its own invariants (a hit never covers the last token; a block with rows D never received is never registered,
+nor any block of a request whose KV was received unauthenticated: Request.cache_blocks) that the token-budget
+loop only calls.
 Pure Python, no torch.
 """
 
 from __future__ import annotations
 
-from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
+from pdserve.kv.block_hashes import group_key, hash_block
 from pdserve.kv.groups import STALE, KVGroups
 
 
@@ -46,17 +48,13 @@ class PrefixCache:
         req.num_computed_tokens = req.num_cached_tokens = num_hits * self.block_size
         req.num_hashed_blocks = num_hits
 
-    def _group_hash(self, group: int, block_hash: bytes) -> bytes:
-        """Prefix-cache key of a block of `group` (group 0 keeps the plain chained hash)."""
-        return block_hash if group == 0 else group.to_bytes(2, "little") + block_hash
-
     def _prefix_hits(self, hashes: list[bytes]) -> list[list[int]]:
         """Per group, the cached blocks of the longest prefix every group can resume from ([] if none): a
         full-attention group needs all its blocks cached, a windowed group only those of the window before the
         first position computed; the table entries before them are STALE."""
         groups, bs = self.kv_groups.groups, self.block_size
         full = [g for g, group in enumerate(groups) if group.window is None]
-        cached = [self.pool.lookup([self._group_hash(g, h) for h in hashes]) for g in full]
+        cached = [self.pool.lookup([group_key(g, h) for h in hashes]) for g in full]
         k = min((len(c) for c in cached), default=len(hashes))
         for num in range(k, 0, -1):
             tables: list[list[int]] = []
@@ -65,7 +63,7 @@ class PrefixCache:
                     tables.append(cached[full.index(g)][:num])
                     continue
                 first = self.kv_groups.first_live_block(g, num * bs, bs)
-                live = [self.pool.cached_block(self._group_hash(g, h)) for h in hashes[first:num]]
+                live = [self.pool.cached_block(group_key(g, h)) for h in hashes[first:num]]
                 if any(b is None for b in live):
                     break
                 tables.append([STALE] * first + [b for b in live if b is not None])
@@ -84,5 +82,5 @@ class PrefixCache:
             valid_from = req.kv_valid_from[g] if req.kv_valid_from else 0
             for i in range(req.num_hashed_blocks, num_full):
                 if table[i] != STALE and i * self.block_size >= valid_from:
-                    self.pool.cache(table[i], self._group_hash(g, hashes[i]))
+                    self.pool.cache(table[i], group_key(g, hashes[i]))
         req.num_hashed_blocks = num_full

@@ -9,4 +9,7 @@ request path import it without the data plane:
   groups.py      the KV cache's layer groups (sliding windows): which layers share a block, STALE entries
   geometry.py    CacheGeometry: the block-major cache's sizes and byte offsets, which the engine allocates,
                  KVCacheSpec and the handshake's PeerInfo carry, and the transfer layout addresses
+  block_hashes.py  the prefix cache's block keys (chained blake2b over token ids), which GET /kv_events names
+                 and a router hashes prompts with
+  events_wire.py GET /kv_events' answer: a snapshot or ordered runs of stored/removed keys, epoch, seq
 """

@@ -61,6 +61,7 @@ PURE = [
     "pdserve.engine.scheduler_output",
     "pdserve.engine.block_tables",
     "pdserve.engine.prefix_cache",
+    "pdserve.engine.kv_events",
     "pdserve.engine.request",
     "pdserve.sampling_params",
     "pdserve.auth",
@@ -82,6 +83,7 @@ NO_TORCH = [
     "pdserve.server.state",
     "pdserve.server.streams",
     "pdserve.server.metrics",
+    "pdserve.server.kv_events",
 ]
 
 
