@@ -4,9 +4,9 @@ Both are bearer tokens (`Authorization: Bearer KEY`), both optional, on instance
 - the **client key** (`--api-key`): the OpenAI API (`/v1/*`) and `/metrics` (unless `metrics_internal`);
 - the **internal credential** (`--internal-api-key` / `--internal-api-key-file`): the routes the deployment
   itself calls, which a client never needs: `/kv_transfer/*` (P's side-channel coordinates; freeing another
-  request's pinned KV) and `/timeline` (every request's ids and timings), and `/metrics` with
-  `metrics_internal`. The router holds it and sends it to the instances instead of the client key; it opens the
-  client routes too (the router calls them).
+  request's pinned KV), `/timeline` (every request's ids and timings) and `/kv_events` (which prompt prefixes
+  the instance holds: what other users sent), and `/metrics` with `metrics_internal`. The router holds it and
+  sends it to the instances instead of the client key; it opens the client routes too (the router calls them).
 
 What a route accepts (`route_role` names the role of a path; every path not listed below is internal):
 
@@ -14,9 +14,10 @@ What a route accepts (`route_role` names the role of a path; every path not list
 |---|---|---|---|
 | open (`/health`) | anyone | anyone | anyone |
 | client (`/v1/*`, `/metrics`) | client or internal key (anyone without a client key) | the client key | anyone |
-| internal | the internal credential only | the client key (one key for all, as before roles) | anyone |
+| internal (`/kv_transfer/*`, `/timeline`, `/kv_events`) | the internal credential only | the client key | anyone |
 
-So once an internal credential is set the client key no longer opens an internal route. `web.RoleAuth` applies
+With only the client key set, it opens every route (one key for all, as before roles); so once an internal
+credential is set the client key no longer opens an internal route. `web.RoleAuth` applies
 the table and marks a request that presented the internal credential (`web.is_internal_caller`):
 `POST /kv_transfer/release` then needs no capability (server/api.py).
 
@@ -61,7 +62,7 @@ class Credentials:
     """The keys one HTTP server checks (instances and router alike)."""
 
     client_key: str | None = field(default=None, repr=False)  # --api-key: /v1/*, /metrics
-    internal_key: str | None = field(default=None, repr=False)  # --internal-api-key: /kv_transfer/*, /timeline
+    internal_key: str | None = field(default=None, repr=False)  # --internal-api-key: every internal route
     metrics_internal: bool = False  # /metrics needs the internal credential instead of the client key
 
     def __post_init__(self) -> None:
@@ -97,7 +98,7 @@ def add_internal_key_arguments(group: argparse._ArgumentGroup | argparse.Argumen
     who = (
         "the router sends it to the instances instead of --api-key (start them with the same one)"
         if is_router
-        else "/kv_transfer/* and /timeline then accept only it, no longer --api-key; the router holds it"
+        else "/kv_transfer/*, /timeline and /kv_events then accept only it, no longer --api-key; the router holds it"
     )
     group.add_argument(
         "--internal-api-key",

@@ -1,8 +1,9 @@
 """AsyncEngine: the engine loop on its own thread, fed and drained from an asyncio event loop.
 
 Threads (owner: AsyncEngine): "engine-loop" runs LLMEngine.step(); the KV connector's transfer thread is
-owned by LLMEngine. Shutdown order: stop the engine loop and join it, then LLMEngine.shutdown() joins the
-transfer thread and releases the NIXL agent.
+owned by LLMEngine. The prefix cache's event log (kv_events.py) is attached to the block pool before the loop
+starts and starts no thread: the engine thread writes it, readers poll it. Shutdown order: stop the engine loop
+and join it, then LLMEngine.shutdown() joins the transfer thread and releases the NIXL agent.
 
 Chosen over a separate engine process: see docs/architecture.md ("Engine loop placement").
 """
@@ -32,6 +33,7 @@ from pdserve.engine.client import (
     ReleaseRequest,
 )
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.params import PullSource, PushSource
 from pdserve.model.tokenizer import Tokenizer
@@ -64,6 +66,7 @@ class AsyncEngine:
         self._stats: EngineStats | None = None  # the latest snapshot the engine thread published
         self._stats_at = 0.0  # time.monotonic() of that snapshot
         self._error: str | None = None  # set if the engine loop died
+        self._kv_events: KVEventLog | None = None  # the block pool's event log, once started
 
     # ---- life cycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -78,7 +81,10 @@ class AsyncEngine:
             num_blocks=engine.num_blocks,
             block_size=self.config.cache.block_size,
             kv_transfer_info=engine.kv_scheduler.info(),  # before the loop starts: fixed from now on
+            prefix_caching=self.config.cache.enable_prefix_caching,
         )
+        self._kv_events = KVEventLog()
+        engine.pool.record_events(self._kv_events)  # before the loop starts: the engine thread writes it from now on
         self._publish_stats(engine)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -279,6 +285,12 @@ class AsyncEngine:
         if self._engine is None:
             return []
         return self._engine.timelines()
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        if self._kv_events is None:
+            raise RuntimeError("engine not started")
+        return self._kv_events
 
 
 def _put_all(items: list[tuple[OutputQueue, RequestOutput]]) -> None:

@@ -18,6 +18,7 @@ from pdserve.kv.params import KVTransferParams, PullSource, PushSource
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.engine.kv_events import KVEventLog
     from pdserve.model.tokenizer import Tokenizer
 
 
@@ -88,6 +89,7 @@ class EngineInfo:
     num_blocks: int  # KV cache blocks of this instance
     block_size: int  # tokens per KV block
     kv_transfer_info: dict[str, Any]  # GET /kv_transfer/info (engine id, side channel, block size, mode...)
+    prefix_caching: bool = True  # full blocks are cached and reused (GET /kv_events reports them)
 
 
 @dataclass(frozen=True)
@@ -166,3 +168,8 @@ class EngineClient(Protocol):
 
     def timelines(self) -> list[dict[str, Any]]:
         """Recent requests' event times (GET /timeline)."""
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """The prefix cache's event log (GET /kv_events): the engine thread writes it, any thread reads it without
+        the engine; raises RuntimeError before start()."""

@@ -2,7 +2,8 @@
 what the instance shares from `request.app.state.pdserve` (a ServerState, state.py).
 
 POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models, /health (200 only when
-the engine is ready), /metrics (Prometheus text), /kv_transfer/info, POST /kv_transfer/release, /timeline.
+the engine is ready), /metrics (Prometheus text), /kv_transfer/info, POST /kv_transfer/release, /timeline,
+/kv_events (a long poll over the prefix cache's events: kv_events.py).
 Who may call which: credentials.py (applied by web.protect).
 """
 
@@ -17,7 +18,7 @@ from pdserve.auth import AuthError
 from pdserve.engine.client import ReleaseRequest
 from pdserve.kv.decode import decode
 from pdserve.openai_request import ChatCompletionRequest, CompletionRequest
-from pdserve.server import metrics
+from pdserve.server import kv_events, metrics
 from pdserve.server.answer import answer
 from pdserve.server.prepare import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt_ids, completion_prompt_ids
 from pdserve.server.protocol import ApiError, KVReleaseRequest, ModelCard, ModelList
@@ -97,6 +98,16 @@ async def timeline(request: Request) -> Response:
     state = state_of(request)
     state.check_ready()
     return JSONResponse(state.engine.timelines())
+
+
+@routes.get("/kv_events")
+async def kv_cache_events(request: Request) -> Response:
+    """Which full blocks entered and left this instance's prefix cache since `after` (or a snapshot)."""
+    state = state_of(request)
+    state.check_ready()
+    query = kv_events.parse_query(request.query_params)
+    engine = state.engine
+    return JSONResponse(await kv_events.poll(state.epoch, engine.info, engine.kv_events, query))
 
 
 @routes.post("/v1/completions")

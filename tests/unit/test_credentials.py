@@ -17,7 +17,7 @@ from pdserve.web import is_internal_caller, protect
 
 CLIENT, INTERNAL = "client-key-0123", "internal-key-4567"
 PATHS = ["/health", "/v1/models", "/v1/completions", "/metrics", "/timeline", "/kv_transfer/info",
-         "/kv_transfer/release", "/docs"]  # fmt: skip
+         "/kv_transfer/release", "/kv_events", "/docs"]  # fmt: skip
 
 
 async def echo(request: Request) -> JSONResponse:
