@@ -167,9 +167,8 @@ async def benchmark(args: argparse.Namespace, vocab: Vocab | None = None, log: C
     )
     log(
         f"bench: {args.num_prompts} requests to {client.api_url}, dataset {args.dataset} {work.params}, "
-        f"input {args.input_len} output {args.output_len} "
-        f"tokens, rate {args.request_rate} req/s (burstiness {args.burstiness}), max concurrency "
-        f"{args.max_concurrency}, {args.num_warmups} warmups"
+        f"rate {args.request_rate} {'conversations' if args.dataset == 'multiturn' else 'req'}/s (burstiness "
+        f"{args.burstiness}), max concurrency {args.max_concurrency}, {args.num_warmups} warmups"
     )
     outputs, duration = await run_load(client, work.arrivals, load, warmups)
     result: dict[str, Any] = {

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve.arg_types import comma_list, non_negative_int, percent, positive_float, positive_int, rate, unit_interval
+from pdserve.bench import workload
 from pdserve.bench.deploy import ServerOptions
 from pdserve.bench.phases import phases_summary
 from pdserve.bench.sweep import DEFAULT_MODES, MODES, Endpoints, Sweep, SweepConfig, summary_table
@@ -48,9 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-prompts",
         type=positive_int,
-        default=20,
-        help="requests per run; for steady state use hundreds (each result JSON and the summary table give TTFT's "
-        "median per quarter of the run by arrival, and its drift = last quarter / first quarter)",
+        default=None,
+        help="requests per run (default 20; multiturn: --num-users x --num-turns); for steady state use hundreds "
+        "(each result JSON and the summary table give TTFT's median per quarter of the run by arrival, and its "
+        "drift = last quarter / first quarter)",
     )
     parser.add_argument(
         "--results-dir", type=Path, default=Path("results/sweep"), help="where result JSONs and logs go"
@@ -85,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every mode's deployment at once and alternate modes point by point (fairer on a busy machine)",
     )
     parser.add_argument("--startup-timeout", type=positive_float, default=600.0, help="seconds to wait for /health")
+    workload.add_arguments(parser)  # --input-lens are the new tokens per request (multiturn: per turn)
     good = parser.add_argument_group("goodput: requests served within latency targets")
     good.add_argument(
         "--goodput",
@@ -173,7 +176,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         input_lens=args.input_lens,
         output_lens=args.output_lens,
         iterations=args.iterations,
-        num_prompts=args.num_prompts,
+        num_prompts=workload.resolve_num_prompts(args, default=20),
         results_dir=args.results_dir,
         server=server,
         attach=parse_attach(args.attach),
@@ -192,6 +195,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         find_max_goodput=args.find_max_goodput,
         goodput_threshold=args.goodput_threshold / 100.0,
         router_args=tuple(args.router_arg),
+        dataset_args=tuple(workload.bench_argv(args)),
     )
 
 

@@ -73,6 +73,7 @@ class SweepConfig:
     find_max_goodput: bool = False  # climb the rates per mode until attainment < goodput_threshold
     goodput_threshold: float = 0.9  # SLO attainment (fraction) a rate must reach to count as sustained
     router_args: tuple[str, ...] = ()  # extra `pdserve proxy` flags for the routers of the pull/push modes
+    dataset_args: tuple[str, ...] = ()  # `pdserve bench` dataset flags (workload.bench_argv); () = random
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -114,7 +115,7 @@ def bench_argv(
     argv = ["--base-url", base_url, "--endpoint", cfg.endpoint, "--num-prompts", str(cfg.num_prompts)]
     argv += ["--request-rate", str(qps), "--burstiness", str(cfg.burstiness), "--seed", str(seed)]
     argv += ["--input-len", str(input_len), "--output-len", str(output_len), "--request-id-prefix", prefix]
-    argv += ["--random-range-ratio", str(cfg.random_range_ratio), "--disable-tqdm"]
+    argv += ["--random-range-ratio", str(cfg.random_range_ratio), "--disable-tqdm", *cfg.dataset_args]
     if cfg.max_concurrency:
         argv += ["--max-concurrency", str(cfg.max_concurrency)]
     if cfg.ignore_eos:
@@ -204,7 +205,7 @@ class Sweep:
         _, input_len, output_len, _ = cfg.points()[0]
         warm = (math.inf, input_len, output_len, 0)
         args = _parse_bench(bench_argv(cfg, ends.router_url, warm, cfg.seed + 999_983, f"{mode}-warmup"))
-        args.num_prompts = cfg.num_warmups
+        args.num_prompts, args.dataset = cfg.num_warmups, "random"  # warm-ups: random, whatever the dataset
         self.log(f"[{mode}] warming up with {cfg.num_warmups} requests")
         asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda _: None))
 

@@ -8,16 +8,18 @@ import asyncio
 import json
 import time
 import zlib
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from pdserve.bench import cli_bench, workload
+from pdserve.bench import cli_bench, cli_sweep, workload
 from pdserve.bench.client import ClientConfig, RequestOutput
 from pdserve.bench.dataset import random_requests, shared_prefix_requests
 from pdserve.bench.metrics import calculate_metrics
 from pdserve.bench.multiturn import Conversation, MultiTurnConfig, conversations, ttft_turn_medians_ms
 from pdserve.bench.runner import LoadConfig, run_load
+from pdserve.bench.sweep import bench_argv
 from pdserve.bench.tokenizer import Vocab, load_vocab
 
 SYSTEM, TURN, OUTPUT = 24, 10, 5
@@ -227,3 +229,24 @@ def test_runner_plays_each_conversation_in_order(vocab: Vocab) -> None:
             assert arrived[out.request_id] >= done[before.request_id] + think - 0.002  # server's clock
             assert out.prompt_len == before.prompt_len + OUTPUT + TURN
             assert before.output_ids == _answer(before.request_id, OUTPUT)
+
+
+def test_sweep_passes_the_dataset_to_every_point(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    cli_sweep.add_arguments(parser)
+    argv = ["m", "--results-dir", str(tmp_path), "--dataset", "multiturn", "--num-users", "3", "--num-turns", "2"]
+    cfg = cli_sweep.config_from_args(parser.parse_args([*argv, "--think-time", "0.25", "--input-lens", "16"]))
+    assert cfg.num_prompts == 6
+    point = _parse(bench_argv(cfg, "http://x", cfg.points()[0], seed=5, prefix="p"))
+    assert (point.dataset, point.num_users, point.num_turns, point.think_time, point.input_len) == (
+        "multiturn",
+        3,
+        2,
+        0.25,
+        16,
+    )
+    assert workload.resolve_num_prompts(point) == 6
+    with pytest.raises(ValueError, match="leave --num-prompts out"):
+        cli_sweep.config_from_args(parser.parse_args([*argv, "--num-prompts", "20"]))
+    random = cli_sweep.config_from_args(parser.parse_args(["m", "--results-dir", str(tmp_path)]))
+    assert (random.num_prompts, random.dataset_args) == (20, ())
