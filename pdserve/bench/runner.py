@@ -65,6 +65,7 @@ def arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int)
 
 Arrival = SampleRequest | Conversation  # what one arrival starts: one request, or a conversation's turns
 Send = Callable[[SampleRequest], Awaitable[RequestOutput]]
+NOT_SENT = "not sent: "  # how the error of a turn that followed a failed one begins
 
 
 def num_requests(arrivals: Sequence[Arrival]) -> int:
@@ -90,7 +91,7 @@ async def play(conversation: Conversation, send: Send) -> list[RequestOutput]:
         if reason:
             now = time.perf_counter() + PERF_TO_UNIX
             for turn in range(request.turn + 1, conversation.num_turns):
-                error = f"not sent: turn {request.turn} ({out.request_id}) failed: {reason}"
+                error = f"{NOT_SENT}turn {request.turn} ({out.request_id}) failed: {reason}"
                 rid = conversation.request_id(turn)
                 outputs.append(RequestOutput(rid, start_time=now, error=error, user=out.user, turn=turn))
             return outputs
@@ -120,9 +121,12 @@ async def _send_all(
         return out
 
     async def one(arrival: Arrival) -> list[RequestOutput]:
-        if isinstance(arrival, Conversation):
-            return await play(arrival, send)
-        return [await send(arrival)]
+        if not isinstance(arrival, Conversation):
+            return [await send(arrival)]
+        outputs = await play(arrival, send)
+        if pbar is not None:  # the turns never sent are done too
+            pbar.update(sum(out.error.startswith(NOT_SENT) for out in outputs))
+        return outputs
 
     start = time.perf_counter()
     tasks = []
