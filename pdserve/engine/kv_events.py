@@ -76,23 +76,31 @@ class KVEventLog:
     # ---- writer (the engine thread) ------------------------------------------------------------------------
     def stored(self, key: bytes) -> None:
         """A key entered the prefix cache."""
-        with self._lock:
+        lock = self._lock  # acquire/release: `with` costs ~120 ns more per event on CPython 3.11
+        lock.acquire()
+        try:
             self._cached.add(key)
             seq = self._seq + 1
             i = seq % self.capacity
             self._kinds[i] = STORED
             self._keys[i] = key
             self._seq = seq
+        finally:
+            lock.release()
 
     def removed(self, key: bytes) -> None:
         """A key left the prefix cache (evicted)."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             self._cached.discard(key)
             seq = self._seq + 1
             i = seq % self.capacity
             self._kinds[i] = REMOVED
             self._keys[i] = key
             self._seq = seq
+        finally:
+            lock.release()
 
     def restart(self, keys: Iterable[bytes]) -> None:
         """Start over from these cached keys (the pool attaching the log): numbering goes on, readers of earlier
