@@ -9,7 +9,8 @@ Each round sends `batch` fresh random prompts (so every round stores new blocks)
 (LLMEngine.step(), the loop AsyncEngine runs) until they finish: the first step is the prefill, the others decode.
 The KV cache is small (`--num-blocks`) so later rounds evict earlier rounds' blocks: the log records removals too.
 The output-len tokens fill a block every 16 decode steps per request, so the log is written during decode as well.
-Prints medians over the rounds (min in brackets) and the on/off ratio.
+Prints medians over the rounds (min in brackets) and the on/off ratio; `--control` runs both settings without
+the log, so the ratio it prints is the noise floor of this machine.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="rounds per setting, alternating off/on")
     ap.add_argument("--num-blocks", type=int, default=160, help="KV blocks (small: later rounds evict)")
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--control", action="store_true", help="the 'on' rounds without the log too: the noise floor")
     args = ap.parse_args()
 
     llm = LLM(
@@ -89,7 +91,8 @@ def main() -> None:
     samples: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     for r in range(2 * args.rounds):
         setting = ("off", "on")[r % 2]
-        samples[setting].append(one_round(llm, KVEventLog() if setting == "on" else None, prompts(), args.output_len))
+        log = KVEventLog() if setting == "on" and not args.control else None
+        samples[setting].append(one_round(llm, log, prompts(), args.output_len))
     micro = {"off": [], "on": []}  # type: dict[str, list[float]]
     for _ in range(5):
         micro["off"].append(pool_ns_per_block(None))
@@ -99,6 +102,7 @@ def main() -> None:
     print(
         f"{args.model} on {args.device}, batch {args.batch}, {args.input_len} -> {args.output_len} tokens, "
         f"{args.num_blocks} blocks of 16, {args.rounds} rounds per setting (alternating)"
+        + (" -- control: no log in either setting" if args.control else "")
     )
     print(f"{'metric':<34}{'log off':>18}{'log on':>18}{'on/off':>9}")
     rows = [("decode ms per step", "decode_ms_per_step"), ("decode tok/s", "decode_tok_s")]
