@@ -111,9 +111,7 @@ class KVAuth:
             cap = params.capability
             self._verify(PULL, pull_fields(params, self._expiry(cap), cap.prompt_digest if cap else None), cap)
             assert cap is not None  # _verify refused a missing one
-            if params.num_tokens > len(prompt_ids) or cap.prompt_digest != prompt_digest(
-                prompt_ids[: params.num_tokens]
-            ):
+            if params.num_tokens > len(prompt_ids) or cap.prompt_digest != _digest(prompt_ids[: params.num_tokens]):
                 raise AuthError(
                     f"kv_capability: the KV it names is of other tokens than this prompt's first {params.num_tokens}"
                 )
@@ -198,3 +196,12 @@ class KVAuth:
             raise AuthError(f"kv_capability does not match the {purpose} coordinates (forged or altered)")
         if cap.expires_at <= self._clock():
             raise AuthError(f"kv_capability expired {self._clock() - cap.expires_at:.0f} s ago")
+
+
+def _digest(token_ids: Sequence[int]) -> str | None:
+    """The prompt digest of a client's token ids; None when they cannot be digested (an id outside int64: no
+    capability names such tokens)."""
+    try:
+        return prompt_digest(token_ids)
+    except ValueError:
+        return None

@@ -58,12 +58,12 @@ async def answer(
             f"needs {len(prompt_ids) - 1} (send the prompt the prefill instance computed)",
         )
     command = AddRequest(request_id, tuple(prompt_ids), params, kv_params, client_id)
-    state.admit()  # 503 when full
     run = RequestRun(engine, command, request, state.limits.max_queue_wait_s)  # runs nothing until first()
-    run.on_close = state.release
-    edge.engine_has_it = True  # from here its refusal (generate() validates first) or abort is the engine's to report
     renderer = Renderer(kind, request_id, model, prompt_ids, body.return_token_ids, body.include_usage)
     headers = {REQUEST_ID_HEADER: client_id or request_id}
+    state.admit()  # 503 when full; from here to the `try` nothing raises, so the slot is always given back
+    run.on_close = state.release
+    edge.engine_has_it = True  # from here its refusal (generate() validates first) or abort is the engine's to report
     handed_over = False  # True once a streaming response owns `run` (it closes it)
     try:
         first = await run.first()  # bad input surfaces here, before any byte of the answer is sent

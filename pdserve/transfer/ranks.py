@@ -23,6 +23,7 @@ from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults,
 # 3: TransferResults.landed_from (per finished recv, each KV group's first token landed) (2026-12-05).
 # 4: TransferStats.checksum_failures (--kv-checksum) (2026-12-03).
 # 5: StepMeta.refusals (D: coordinates of requests refused before admission, for their producer) (2026-12-03).
+# 6: TransferResults.refused_recvs (recvs whose producer holds no KV under their coordinates) (2026-12-03).
 RANKS_VERSION = 6
 
 

@@ -45,7 +45,9 @@ from pdserve.transfer.wire_notifs import (
 # 10: PeerInfo.geometry, the KV cache's geometry as one map (kv/geometry.py; elem_size in place of token_bytes),
 #     in place of its flat num_layers, num_kv_heads, total_kv_heads, head_dim, num_blocks, block_size,
 #     token_bytes, group_windows and group_layers (2026-12-03).
-WIRE_VERSION = 10
+# 11: PullReleaseAck.refused: P holds no KV under the release's coordinates (never pinned here, or released by
+#     every consumer rank already): D answers its client 400, not 500 (2026-12-03).
+WIRE_VERSION = 11
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 

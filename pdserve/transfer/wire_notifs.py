@@ -35,6 +35,10 @@ class PullReleaseAck:
     held: bool
     reason: str  # why not held ("" when held)
     checksum: list[int] = field(default_factory=list)  # [s1, s2] P's sums of what the release asked; [] none
+    # not held because P never held KV under these coordinates for this consumer: never pinned here (a made-up
+    # id), or released by every consumer rank already (a replay). The request's error; a lease that ran out or
+    # an engine release is not (those are the instance's)
+    refused: bool = False
 
 
 @dataclass(frozen=True)

@@ -105,8 +105,10 @@ def hostile(instance: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         if instance:
             fields.append(_instance_only(path))
         for field, values in ((f, v) for table in fields for f, v in table.items()):
-            for i, value in enumerate(values):  # `stream` alternates: each field is refused streaming and not
-                body = {**good, "stream": i % 2 == 1, field: value}
+            # `stream` alternates: each field is refused streaming and not (one bad value: sent both ways)
+            turns = [(v, i % 2 == 1) for i, v in enumerate(values)] + ([(values[0], True)] if len(values) == 1 else [])
+            for value, stream in turns:
+                body = {**good, "stream": stream, field: value}
                 if field == "max_tokens" and path == CHAT_PATH:
                     body.pop("max_completion_tokens", None)
                 yield path, body

@@ -88,3 +88,17 @@ def test_unhealthy_backends_are_routed_around_and_taken_back(policy: str) -> Non
     assert pool.choose() in pool.backends  # none healthy: the leg fails with the backend's own error
     b.healthy = True
     assert all(pool.choose() is b for _ in range(6))
+
+
+def test_push_refetches_p_only_after_a_failure_stale_coordinates_explain() -> None:
+    """router/push.py: P's 403 (the router signed over coordinates P no longer has), or a 5xx other than an
+    admission 503 (D could not reach the P they named), fetches P's coordinates again; a client's 4xx or a busy
+    instance's 503 does not."""
+    from pdserve.router.push import may_be_stale
+    from pdserve.router.upstream import LegError
+
+    def leg(status: int) -> LegError:
+        return LegError("decode", "http://d", "x", status=status)
+
+    statuses = (400, 403, 404, 413, 429, 499, 500, 502, 503, 504)
+    assert [s for s in statuses if may_be_stale(leg(s))] == [403, 500, 502, 504]

@@ -46,6 +46,8 @@ def test_pull_capability_verifies_once_and_binds_everything() -> None:
         KVAuth(SECRET, clock).check(issued, PROMPT[:-1] + [0], {})
     with pytest.raises(AuthError, match="other tokens"):
         KVAuth(SECRET, clock).check(issued, PROMPT[:39], {})  # shorter than the KV it names
+    with pytest.raises(AuthError, match="other tokens"):  # an id no int64 holds: refused, not a digest crash
+        KVAuth(SECRET, clock).check(issued, PROMPT[:-1] + [2**64], {})
     with pytest.raises(AuthError, match="forged or altered"):
         KVAuth(b"t" * 32, clock).check(issued, PROMPT, {})  # another deployment's secret
     clock.now += 31

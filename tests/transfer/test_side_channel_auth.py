@@ -10,6 +10,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -216,3 +217,25 @@ def test_a_port_in_use_is_refused_with_what_to_do(server: SideChannel) -> None:
     """Two instances on one host with the default port: the second one's error says how to start both."""
     with pytest.raises(OSError, match=r"cannot bind 127\.0\.0\.1:\d+: .*--kv-side-channel-port, or 0 for a free one"):
         SideChannel("127.0.0.1", server.port)
+
+
+def test_admitted_slots_close_the_idlest_and_refuse_only_when_all_are_answering() -> None:
+    """Admission alone (pure Python, its own clock): past max_admitted the admitted connection idle longest is
+    closed for a new one; when every admitted connection is answering a frame, the new one is refused (full)."""
+    now = [0.0]
+    adm = Admission(max_pending=4, max_pending_per_source=4, max_admitted=2, clock=lambda: now[0])
+    closed: list[str] = []
+
+    def slot(name: str) -> Any:
+        return adm.open("10.0.0.1", lambda: closed.append(name), lambda: True)
+
+    a, b = slot("a"), slot("b")
+    assert adm.admit(a)
+    now[0] = 1.0
+    assert adm.admit(b) and adm.num_admitted == 2
+    c = slot("c")
+    assert adm.admit(c) and closed == ["a"]  # a was idle longest
+    b.busy = c.busy = True
+    d = slot("d")
+    assert not adm.admit(d) and adm.counts() == {"full": 1}  # nobody to close: refused
+    assert adm.num_admitted == 2 and closed == ["a"]

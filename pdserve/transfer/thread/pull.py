@@ -197,9 +197,10 @@ class PullCore:
         rd.unacked.discard(p_rank)
         rd.sent_sums[p_rank] = msg.checksum
         self.ctx.sink.event(rid, f"pull_ack.r{self.ctx.spec.tp_rank}.p{p_rank}")
-        if not msg.held:  # P holds no such pin (any more): the coordinates are the request's error
-            reason = f"the prefill instance holds no KV under these coordinates: {msg.reason}"
-            self._end(rid, rd, reason, refused=True)
+        if not msg.held and msg.refused:  # P never held KV under these coordinates: the request's error
+            self._end(rid, rd, f"the prefill instance holds no KV under these coordinates: {msg.reason}", True)
+        elif not msg.held:
+            self._end(rid, rd, f"the prefill instance's pin did not hold until the READ was over ({msg.reason})")
         elif rd.unacked:
             return  # other P ranks still to confirm
         elif rd.cancelled:

@@ -5,9 +5,11 @@ pin held throughout (docs/architecture.md, "Pull"). D's half (the READs) is pull
 A release names the blocks it read: only a pin of exactly those blocks is freed (a stale or forged release
 cannot free another request's). A release that arrives before its SendTask (the engine holds the blocks
 until then) waits in `early`, for EARLY_GRACE_S at most: a release for a request this rank never pinned (a
-forged or made-up id) is answered held=False then, so D refuses its client at once instead of waiting out its
-own confirmation timeout. One that arrives after the pin ended without it (lease expired, engine released it)
-is answered held=False from `gone`.
+forged or made-up id) is answered held=False, refused, then, so D refuses its client at once (400) instead of
+waiting out its own confirmation timeout; should that request's pin come after all, it is freed at once (its
+consumer was told there was none). One that arrives after the pin ended without it is answered held=False from
+`gone`: refused when every consumer rank had released it already (a replay), not when the lease ran out or the
+engine released it (the instance's failure, not the request's).
 """
 
 from __future__ import annotations
@@ -45,14 +47,23 @@ class _Pin:
     num_bytes: int = 0  # bytes the consumer ranks read from this rank
 
 
+@dataclass(eq=False)
+class _Early:
+    """Releases of one request that came before its pin, and the grace timer that answers them (by identity)."""
+
+    releases: list[tuple[str, PullRelease]] = field(default_factory=list)
+
+
 class PinKeeper:
     """P: the pinned requests of this rank, their leases, and the answers to D's releases."""
 
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
         self.pinned: dict[str, _Pin] = {}  # request id -> blocks pinned until every D rank's release or lease
-        self.early: OrderedDict[str, list[tuple[str, PullRelease]]] = OrderedDict()  # releases before the pin
-        self.gone: OrderedDict[str, str] = OrderedDict()  # request id -> why its pin ended without a release
+        self.early: OrderedDict[str, _Early] = OrderedDict()  # releases before the pin
+        # request id -> (why its pin ended or never was, whether a release for it is the request's error)
+        self.gone: OrderedDict[str, tuple[str, bool]] = OrderedDict()
+        self.told_unpinned: OrderedDict[str, None] = OrderedDict()  # answered NEVER_PINNED: a later pin is freed
 
     def pin(self, send: SendTask, now: float) -> None:
         rid = send.request_id
@@ -60,11 +71,18 @@ class PinKeeper:
             log.error("pull: request %s is pinned already; the new send is freed at once", rid)
             self.ctx.sink.send_finished(rid, SendOutcome.FAILED)
             return
+        if rid in self.told_unpinned:  # its consumer gave up on it: nobody will release it
+            del self.told_unpinned[rid]
+            log.warning("pull: request %s was pinned more than %g s after its release; freed at once", rid,
+                        EARLY_GRACE_S)  # fmt: skip
+            self.ctx.sink.send_finished(rid, SendOutcome.FAILED)
+            return
         self.gone.pop(rid, None)
         self.pinned[rid] = _Pin(send)
         self.ctx.thread.call_at(now + self.ctx.cfg.lease_s, lambda: self._expire(rid, send))
-        for early in self.early.pop(rid, []):  # the engine held the blocks meanwhile: still pinned
-            self.on_release(*early)
+        early = self.early.pop(rid, None)
+        for release in early.releases if early is not None else []:  # the engine held the blocks meanwhile
+            self.on_release(*release)
 
     def on_release(self, sender: str, msg: PullRelease) -> None:
         """A D rank is done with (or gave up on) a pin. Only a pin of exactly the release's blocks is freed, once
@@ -72,12 +90,13 @@ class PinKeeper:
         rid = msg.request_id
         pin = self.pinned.get(rid)
         if pin is None:
-            if (why := self.gone.get(rid)) is not None:
-                self._ack(sender, msg, False, why)
+            if (gone := self.gone.get(rid)) is not None:
+                self._ack(sender, msg, False, gone[0], refused=gone[1])
             else:  # before its SendTask (the engine holds the blocks until then), or unknown: answered at the pin
-                if rid not in self.early:
-                    self.ctx.thread.call_at(time.monotonic() + EARLY_GRACE_S, lambda: self._never_pinned(rid))
-                self.early.setdefault(rid, []).append((sender, msg))
+                if (early := self.early.get(rid)) is None:
+                    early = self.early[rid] = _Early()
+                    self.ctx.thread.call_at(time.monotonic() + EARLY_GRACE_S, lambda: self._never_pinned(rid, early))
+                early.releases.append((sender, msg))
                 while len(self.early) > MAX_EARLY_RELEASES:
                     self.early.popitem(last=False)
             return
@@ -96,22 +115,38 @@ class PinKeeper:
         self._ack(sender, msg, True, "", release_sums(self.ctx, send, msg) if msg.ok else [])  # (still pinned)
         if len(pin.released_by) >= num_consumers:
             del self.pinned[rid]
-            self._gone(rid, "every rank of the consumer released it already")  # a later release: held=False now
+            self._gone(rid, "every rank of the consumer released it already", refused=True)  # a replay: refused
             self.ctx.sink.send_finished(rid, SendOutcome.OK if pin.ok else SendOutcome.FAILED, pin.num_bytes)
 
-    def _never_pinned(self, rid: str) -> None:
-        """EARLY_GRACE_S after a release for a request with no pin: if it is still not pinned, say so."""
-        for sender, msg in self.early.pop(rid, []):
-            self._ack(sender, msg, False, NEVER_PINNED)
+    def _never_pinned(self, rid: str, early: _Early) -> None:
+        """EARLY_GRACE_S after the first release for a request with no pin: if it is still not pinned, say so."""
+        if self.early.get(rid) is not early:
+            return  # pinned meanwhile, or dropped from `early`
+        del self.early[rid]
+        self.told_unpinned[rid] = None
+        while len(self.told_unpinned) > MAX_GONE_PINS:
+            self.told_unpinned.popitem(last=False)
+        self._gone(rid, NEVER_PINNED, refused=True)
+        for sender, msg in early.releases:
+            self._ack(sender, msg, False, NEVER_PINNED, refused=True)
 
-    def _ack(self, sender: str, msg: PullRelease, held: bool, reason: str, checksum: list[int] | None = None) -> None:
+    def _ack(
+        self,
+        sender: str,
+        msg: PullRelease,
+        held: bool,
+        reason: str,
+        checksum: list[int] | None = None,
+        refused: bool = False,
+    ) -> None:
         if not msg.ok:
             return  # D gave up: it waits for no answer
         if self.ctx.peers.by_agent(sender) is None:
             log.warning("pull: release of %s from unknown agent %s; not answered", msg.request_id, sender)
             return
         try:
-            self.ctx.agent.send_notif(sender, encode(PullReleaseAck(msg.request_id, held, reason, checksum or [])))
+            ack = PullReleaseAck(msg.request_id, held, reason, checksum or [], refused)
+            self.ctx.agent.send_notif(sender, encode(ack))
         except AgentError as e:  # D fails the recv after peer_timeout_s
             log.warning("pull: could not answer the release of %s: %s", msg.request_id, e)
 
@@ -129,7 +164,7 @@ class PinKeeper:
         self._gone(rid, why)
         self.ctx.sink.send_finished(rid, outcome)
 
-    def _gone(self, rid: str, why: str) -> None:
-        self.gone[rid] = why
+    def _gone(self, rid: str, why: str, refused: bool = False) -> None:
+        self.gone[rid] = (why, refused)
         while len(self.gone) > MAX_GONE_PINS:
             self.gone.popitem(last=False)
