@@ -19,7 +19,7 @@ What a route accepts (`route_role` names the role of a path; every path not list
 With only the client key set, it opens every route (one key for all, as before roles); so once an internal
 credential is set the client key no longer opens an internal route. `web.RoleAuth` applies
 the table and marks a request that presented the internal credential (`web.is_internal_caller`):
-`POST /kv_transfer/release` then needs no capability (server/api.py).
+`POST /kv_transfer/release` then needs no capability (server/routes.py).
 
 The standard library only: every subcommand's parser imports it.
 """

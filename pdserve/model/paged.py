@@ -9,7 +9,7 @@ dimension: kernels take the block, token and head strides (a token's K of all he
 position p of a sequence lives in block block_table[p // block_size], row p % block_size. The runner builds one
 AttentionContext per step and passes it explicitly (no global state).
 
-Both attention.py (portable) and cuda_attention.py (Triton) import this module and not each other's.
+Both attention.py (portable) and cuda/attention.py (Triton) import this module and not each other's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the routes of one instance share (ServerState) and its admission control (Limits).
 
-Lives apart from the routes (api.py) because it is the instance's state machine: the engine-start thread's
+Lives apart from the routes (routes.py) because it is the instance's state machine: the engine-start thread's
 body and outcome, readiness, the names served, and the count of requests in flight that admission control
 reads. build_app's lifespan starts the engine-start thread (start_engine) and joins it after engine.shutdown().
 """

@@ -11,6 +11,7 @@ instances' own timeline events.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import time
@@ -22,19 +23,16 @@ from pdserve.testing.pair_child import HEAD_DIM, NUM_HEADS, NUM_LAYERS, run_chil
 
 __all__ = ["Instance", "close_all", "events", "expected_kv", "move", "push_params", "shape", "start_all"]
 
-_CTX: Any = None
 
-
+@functools.cache
 def _context() -> Any:
     """A forkserver that has imported torch and nixl once: children fork from it in milliseconds instead of
     importing torch for seconds each. No NIXL agent or torch thread exists in the server before the fork."""
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(
-            ["torch", "nixl._api", "numpy", "msgpack", "pdserve.transfer.factory", "pdserve.testing.pair_child"]
-        )
-    return _CTX
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["torch", "nixl._api", "numpy", "msgpack", "pdserve.transfer.factory", "pdserve.testing.pair_child"]
+    )
+    return ctx
 
 
 class Instance:

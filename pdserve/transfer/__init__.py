@@ -18,7 +18,7 @@ Files, laid out by thread. Shared and pure (no torch, numpy or nixl):
   heads.py           tensor parallelism: which rank holds which KV heads, which P rank sends which D rank what
   ranks.py           tensor parallelism: StepMeta to the other ranks' workers, their results back (msgpack),
                      RankMerger (one result per request: a recv finishes when every rank's part landed)
-scheduler/ — the engine thread's halves (pure Python; tests/transfer/test_layers.py checks it):
+scheduler/ — the engine thread's halves (pure Python; tests/unit/test_layers.py checks it):
   base.py            what pull's and push's scheduler halves share: RecvTasks, StepMeta, P's answers
   pull.py / push.py  PullScheduler / PushScheduler
 thread/ — the transfer thread (and the side-channel thread):

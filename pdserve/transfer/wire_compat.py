@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from pdserve.transfer.heads import mapping_error
-from pdserve.transfer.wire import PeerInfo
+from pdserve.transfer.wire import PeerInfo, encode_geometry
 
 COMPAT_FIELDS = (
     "model_name", "dtype", "num_layers", "total_kv_heads", "head_dim", "transfer_mode", "wire_version",
@@ -26,12 +26,12 @@ COMPAT_DEFAULTS = {"kv_checksum": False}  # fields a caller of compat_hash may l
 
 def compat_values(info: PeerInfo) -> dict[str, Any]:
     """COMPAT_FIELDS of a handshake (the cache's from its geometry: num_layers = layers per block)."""
-    g = info.geometry
+    g = encode_geometry(info.geometry)  # its group lists as the wire writes them
     return {
-        "model_name": info.model_name, "dtype": info.dtype, "num_layers": g.layers_per_block,
-        "total_kv_heads": g.total_kv_heads, "head_dim": g.head_dim, "transfer_mode": info.transfer_mode,
-        "wire_version": info.wire_version, "group_windows": [w or 0 for w in g.windows],
-        "group_layers": [list(grp.layers) for grp in g.groups.groups], "kv_checksum": info.kv_checksum,
+        "model_name": info.model_name, "dtype": info.dtype, "num_layers": info.geometry.layers_per_block,
+        "total_kv_heads": g["total_kv_heads"], "head_dim": g["head_dim"], "transfer_mode": info.transfer_mode,
+        "wire_version": info.wire_version, "group_windows": g["group_windows"], "group_layers": g["group_layers"],
+        "kv_checksum": info.kv_checksum,
     }  # fmt: skip
 
 

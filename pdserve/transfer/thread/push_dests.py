@@ -12,6 +12,7 @@ with PushCancelAck once nothing more can land in its blocks for that attempt; a 
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 
@@ -28,9 +29,9 @@ log = logging.getLogger(__name__)
 MIN_KEEPALIVE_S = 0.05  # PushQueued goes at most this often per registration, whatever D asks for
 
 
-class DestSide:
-    """The rendezvous table and D's messages (transfer thread only). Subclasses provide _write: post the WRITE
-    for one D rank's newest registration once the prefill is there."""
+class DestSide(abc.ABC):
+    """The rendezvous table and D's messages (transfer thread only). A subclass (push_send.SendSide) provides
+    _write: post the WRITE for one D rank's newest registration once the prefill is there."""
 
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
@@ -38,8 +39,8 @@ class DestSide:
         self.finished = FinishedTransfers()  # transfer ids over: late messages for them are refused
         self.producers = Expected()  # the transfer ids P's queued or running requests produce
 
-    def _write(self, r: Rendezvous, d_rank: int) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _write(self, r: Rendezvous, d_rank: int) -> None: ...
 
     # ---- how a rendezvous ends --------------------------------------------------------------------------------------
     def _give_up(self, r: Rendezvous, outcome: SendOutcome, why: str) -> None:
