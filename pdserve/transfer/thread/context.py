@@ -1,4 +1,5 @@
-"""What a mode's transfer-thread core works with (TransferContext) and what it offers the loop (ModeCore)."""
+"""What a mode's transfer-thread core works with (TransferContext) and what it offers (ModeCore: the loop's
+Core plus the engine's step metadata and the peers' notifications)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pdserve.transfer.layout import Heads
 from pdserve.transfer.staging import Stager
 from pdserve.transfer.thread.agent import AgentError, NixlAgent, Xfer
 from pdserve.transfer.thread.handshake import SideChannel
-from pdserve.transfer.thread.loop import TransferLoop
+from pdserve.transfer.thread.loop import Core, TransferLoop
 from pdserve.transfer.thread.peers import Peers
 from pdserve.transfer.thread.results import ResultSink
 from pdserve.transfer.wire import Message, PeerInfo
@@ -69,10 +70,9 @@ class TransferContext:
         return self.agent.post(op, local, remote, peer, notif, remote_memory)
 
 
-class ModeCore(Protocol):
-    """A mode's transfer-thread half (thread/pull.py, thread/push.py); called only on the transfer thread."""
+class ModeCore(Core, Protocol):
+    """A mode's transfer-thread half (thread/pull.py, thread/push.py): what the loop drives each turn (Core)
+    plus the engine's step metadata and the peers' notifications; called only on the transfer thread."""
 
     def on_step(self, meta: StepMeta, now: float) -> None: ...
     def on_notif(self, sender: str, msg: Message, now: float) -> None: ...
-    def progress(self, now: float) -> bool: ...
-    def in_flight(self) -> bool: ...
