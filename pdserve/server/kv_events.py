@@ -1,9 +1,10 @@
 """GET /kv_events?after=SEQ&epoch=E&wait_s=S: a long poll over the instance's prefix-cache event log.
 
 The answer (kv/events_wire.py) is a snapshot when `after` is absent, names another epoch, or is older than the
-log holds (a gap); otherwise the events after `after`, as soon as there are some (checked every POLL_S, so one
-consumer polls at most ~1 / POLL_S times a second however busy the cache), or none after `wait_s` (the
-keepalive: an instance that does not answer within wait_s plus a margin is silent).
+log holds (a gap); otherwise the events after `after` once there are some, looked for POLL_S after the poll
+arrives and every POLL_S from then (so a consumer polling with wait_s >= POLL_S gets at most 1 / POLL_S answers a
+second however busy the cache, each holding every event since its last), or none after `wait_s` (the keepalive:
+an instance that does not answer within wait_s plus a margin is silent).
 
 Why a long poll and not a stream (SSE or NDJSON): every answer is one complete JSON document, so a consumer (the
 router, an aiohttp client) never holds a half-read stream or parses partial lines, and a dropped connection is
@@ -12,18 +13,19 @@ and no response is open-ended, so a stopping server is held for at most wait_s (
 5-s graceful shutdown) instead of cutting streams with an error. The price is one HTTP request per poll: ~20 a
 second per consumer while the cache changes, one per wait_s while it does not.
 
-The handler reads the log only (engine/kv_events.py), never the engine; a snapshot's hex encoding runs in a
-worker thread (100k keys: tens of ms).
+The handler reads the log only (engine/kv_events.py), never the engine. A snapshot is encoded and rendered in a
+worker thread, off the event loop (100k keys, 3.6 MB of JSON: 30 ms of hex and 34 ms of json.dumps on the 2-core
+development machine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
@@ -68,20 +70,25 @@ def parse_query(params: Mapping[str, str]) -> KVEventsQuery:
     return KVEventsQuery(after, epoch, wait_s)
 
 
-async def poll(epoch: str, info: EngineInfo, log: KVEventLog, query: KVEventsQuery) -> dict[str, Any]:
-    """The answer's JSON value: a snapshot, the events after query.after, or none after query.wait_s."""
+async def poll(epoch: str, info: EngineInfo, log: KVEventLog, query: KVEventsQuery) -> bytes:
+    """The answer as a JSON document: a snapshot, the events after query.after, or none after query.wait_s."""
     if query.after is None or query.epoch != epoch:
         return await _snapshot(epoch, info, log, "first" if query.after is None else "epoch")
     deadline = time.monotonic() + query.wait_s
+    await asyncio.sleep(min(POLL_S, query.wait_s))  # events batch up: a consumer's answers come POLL_S apart
     while log.seq == query.after and time.monotonic() < deadline:
         await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
     events = log.read(query.after)
     if events is None:  # older than the ring holds, or not a seq of this log
         return await _snapshot(epoch, info, log, "gap")
-    return encode_answer(KVEventsAnswer(epoch, events.seq, None, runs(events.kinds, events.keys)))
+    return _render(KVEventsAnswer(epoch, events.seq, None, runs(events.kinds, events.keys)))
 
 
-async def _snapshot(epoch: str, info: EngineInfo, log: KVEventLog, reason: str) -> dict[str, Any]:
+async def _snapshot(epoch: str, info: EngineInfo, log: KVEventLog, reason: str) -> bytes:
     snap = log.snapshot()
     cache = KVCacheSnapshot(reason, info.block_size, info.prefix_caching, HASH_SCHEME, snap.keys)
-    return await run_in_threadpool(encode_answer, KVEventsAnswer(epoch, snap.seq, cache))
+    return await run_in_threadpool(_render, KVEventsAnswer(epoch, snap.seq, cache))
+
+
+def _render(answer: KVEventsAnswer) -> bytes:
+    return json.dumps(encode_answer(answer), separators=(",", ":")).encode()

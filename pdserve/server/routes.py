@@ -107,7 +107,8 @@ async def kv_cache_events(request: Request) -> Response:
     state.check_ready()
     query = kv_events.parse_query(request.query_params)
     engine = state.engine
-    return JSONResponse(await kv_events.poll(state.epoch, engine.info, engine.kv_events, query))
+    body = await kv_events.poll(state.epoch, engine.info, engine.kv_events, query)
+    return Response(body, media_type="application/json")
 
 
 @routes.post("/v1/completions")

@@ -5,6 +5,7 @@ answer after wait_s), and every 400 names its parameter. The route through HTTP,
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -21,7 +22,8 @@ K = [bytes([i]) * 16 for i in range(10)]
 
 
 def run_poll(log: KVEventLog, after: int | None, epoch: str | None = "E", wait_s: float = 0.0) -> dict:
-    return asyncio.run(poll("E", INFO, log, KVEventsQuery(after, None if after is None else epoch, wait_s)))
+    body = asyncio.run(poll("E", INFO, log, KVEventsQuery(after, None if after is None else epoch, wait_s)))
+    return json.loads(body)
 
 
 def test_first_poll_is_a_snapshot_with_the_hash_scheme() -> None:
@@ -58,7 +60,7 @@ def test_a_poll_waits_for_events_and_answers_empty_after_wait_s() -> None:
         task = asyncio.create_task(poll("E", INFO, log, KVEventsQuery(0, "E", 2.0)))
         await asyncio.sleep(0.1)
         log.stored(K[3])  # (the engine thread, in production)
-        return await task
+        return json.loads(await task)
 
     started = time.monotonic()
     answer = decode_answer(asyncio.run(later()), after=0)
