@@ -173,9 +173,10 @@ def test_a_flood_of_idle_connections_never_locks_a_peer_out(
 
 
 @pytest.mark.parametrize("source", ["127.0.0.2", "127.0.0.1"], ids=["stranger-address", "the-peer's-address"])
-def test_half_sent_frames_never_lock_a_peer_out(source: str) -> None:
+def test_half_sent_frames_never_lock_a_peer_out(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pending connections that each sent part of a frame (and would hold their slots until the first-frame
     deadline) fill every pending slot: a peer's new connection still gets in, the oldest of them giving way."""
+    monkeypatch.setattr(handshake, "FIRST_FRAME_TIMEOUT_S", 60.0)  # only an eviction may close them here
     side = small_server(pending=3, per_source=3)
     client = SideChannel("127.0.0.1", 0, SECRET)
     client.start(answer)
@@ -185,7 +186,9 @@ def test_half_sent_frames_never_lock_a_peer_out(source: str) -> None:
             s = socket.create_connection(("127.0.0.1", side.port), timeout=5, source_address=(source, 0))
             s.sendall(b"\x00\x00")  # half a length prefix
             talking.append(s)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # the server accepts them on its own thread
+        while side.admission.num_pending < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert side.admission.num_pending == 3
         assert ask(client, side.port) == (SECRET_PONG, None)
         assert wait_closed(talking[0])  # the oldest half-sent one was closed for the peer's connection
