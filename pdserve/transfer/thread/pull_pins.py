@@ -63,7 +63,6 @@ class PinKeeper:
         self.early: OrderedDict[str, _Early] = OrderedDict()  # releases before the pin
         # request id -> (why its pin ended or never was, whether a release for it is the request's error)
         self.gone: OrderedDict[str, tuple[str, bool]] = OrderedDict()
-        self.told_unpinned: OrderedDict[str, None] = OrderedDict()  # answered NEVER_PINNED: a later pin is freed
 
     def pin(self, send: SendTask, now: float) -> None:
         rid = send.request_id
@@ -71,8 +70,7 @@ class PinKeeper:
             log.error("pull: request %s is pinned already; the new send is freed at once", rid)
             self.ctx.sink.send_finished(rid, SendOutcome.FAILED)
             return
-        if rid in self.told_unpinned:  # its consumer gave up on it: nobody will release it
-            del self.told_unpinned[rid]
+        if self.gone.get(rid, ("", False))[0] == NEVER_PINNED:  # its consumer was told so: nobody will release it
             log.warning("pull: request %s was pinned more than %g s after its release; freed at once", rid,
                         EARLY_GRACE_S)  # fmt: skip
             self.ctx.sink.send_finished(rid, SendOutcome.FAILED)
@@ -123,9 +121,6 @@ class PinKeeper:
         if self.early.get(rid) is not early:
             return  # pinned meanwhile, or dropped from `early`
         del self.early[rid]
-        self.told_unpinned[rid] = None
-        while len(self.told_unpinned) > MAX_GONE_PINS:
-            self.told_unpinned.popitem(last=False)
         self._gone(rid, NEVER_PINNED, refused=True)
         for sender, msg in early.releases:
             self._ack(sender, msg, False, NEVER_PINNED, refused=True)
