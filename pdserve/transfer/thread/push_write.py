@@ -54,9 +54,11 @@ def post_write(ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPa
             msg.start_token, msg.num_tokens,
         )  # fmt: skip
         segs = pad_last_blocks(ctx.geometry, peer.info.geometry, segs)  # D's fresh blocks: safe (its docstring)
+        ctx.sink.event(send.request_id, "write_segments")  # the hand-over's parts (bench/phases.py splits it)
         heads = ctx.heads_to(peer.info)  # this rank's slice of D's rank's heads (heads.py)
         if heads is not None:
             local, remote = descriptors(ctx.spec, peer.info, segs, heads)
+            ctx.sink.event(send.request_id, "write_descriptors")
     except LayoutError as e:
         return WriteOver(False, f"cannot write: {e}")
     if heads is None:  # D's rank gets its heads from other ranks of P: this rank's part is over, unannounced
