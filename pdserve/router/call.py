@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pdserve.openai_request import SamplingFields
 from pdserve.web import REQUEST_ID_HEADER
 
 
@@ -27,6 +28,7 @@ class Call:
     prefill_url: str | None = None  # chosen instances, for the log line
     decode_url: str | None = None  # the decode instance; in colocated mode the instance that ran it whole
     is_whole: bool = False  # sent to one instance without a prefill leg (colocated, or a short prompt)
+    parsed: SamplingFields | None = None  # the body as openai_request.parse_request validated it
     headers: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:

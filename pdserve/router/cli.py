@@ -8,9 +8,11 @@ import contextlib
 import logging
 import sys
 
-from pdserve.arg_types import port, positive_float, positive_int
+from pdserve.arg_types import non_negative_float, port, positive_float, positive_int
 from pdserve.auth import INSECURE_FLAG, unauthenticated_listen_error
 from pdserve.credentials import add_internal_key_arguments, load_key
+from pdserve.router.kv_index import DEFAULT_MAX_KEYS
+from pdserve.router.kv_route import DEFAULT_HIT_WEIGHT, DEFAULT_LOAD_WEIGHT
 from pdserve.router.policy import MODES, POLICIES
 
 
@@ -41,10 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="pull and push: selective disaggregation; a request whose prompt is estimated below N tokens goes to a "
-        "decode instance alone (no kv_transfer_params) and D prefills it locally, P never sees it. Estimate: token-id "
-        "prompts exactly, text (chat: all message contents) as UTF-8 bytes / 4. The log line says route=whole and "
-        "counts them (whole_total). Default: every request is disaggregated",
+        help="pull and push: selective disaggregation; a request whose uncached suffix at the chosen decode instance "
+        "(prompt tokens minus the tokens the router believes that instance caches: 0 unless --routing kv-aware) is "
+        "below N tokens goes to that decode instance alone (no kv_transfer_params) and D prefills it locally, P never "
+        "sees it. Prompt tokens: token-id prompts exactly; text exactly with the router's tokenizer (kv-aware), else "
+        "estimated as UTF-8 bytes / 4. The log line says route=whole and counts them (whole_total). Default: every "
+        "request is disaggregated",
     )
     p.add_argument(
         "--host",
@@ -56,7 +60,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--port", type=port, default=8000, help="HTTP port (default 8000; 0: the kernel picks one, printed on stderr)"
     )
     p.add_argument(
-        "--policy", choices=POLICIES, default="least-loaded", help="instance choice per leg (default least-loaded)"
+        "--routing",
+        "--policy",
+        dest="policy",
+        choices=POLICIES,
+        default="least-loaded",
+        help="instance choice per leg (--policy is its older name): least-loaded (fewest outstanding legs through "
+        "this router), round-robin, or kv-aware: the least kv-load-weight x outstanding legs - kv-hit-weight x the "
+        "fraction of the prompt the instance caches (the router follows every instance's GET /kv_events; a "
+        "prompt it cannot hash, or an instance whose events it lost, counts load only); pull and push choose P by "
+        "its cache and load, D by its cache and load (default least-loaded)",
+    )
+    p.add_argument(
+        "--kv-hit-weight",
+        type=non_negative_float,
+        default=DEFAULT_HIT_WEIGHT,
+        help=f"kv-aware: how many outstanding legs a fully cached prompt is worth (default {DEFAULT_HIT_WEIGHT:g})",
+    )
+    p.add_argument(
+        "--kv-load-weight",
+        type=non_negative_float,
+        default=DEFAULT_LOAD_WEIGHT,
+        help=f"kv-aware: cost of one outstanding leg (default {DEFAULT_LOAD_WEIGHT:g})",
+    )
+    p.add_argument(
+        "--kv-index-max-keys",
+        type=positive_int,
+        default=DEFAULT_MAX_KEYS,
+        help="kv-aware: block keys the router keeps per instance; past it the least recently stored or hit go "
+        f"(a forgotten block costs a prefix miss in the estimate, never a wrong answer) (default {DEFAULT_MAX_KEYS})",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FOLDER",
+        help="kv-aware: a Hugging Face model folder whose tokenizer.json (and chat template) the instances use, to "
+        "hash text and chat prompts as they do; default: the folder the instances report in /v1/models when it "
+        "exists on this machine, else text prompts are routed by load (token-id prompts need no tokenizer)",
     )
     p.add_argument(
         "--connect-timeout-s",
@@ -131,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
             instance_urls=tuple(args.instance),
             colocate_below=args.colocate_below,
             policy=args.policy,
+            kv_hit_weight=args.kv_hit_weight,
+            kv_load_weight=args.kv_load_weight,
+            kv_index_max_keys=args.kv_index_max_keys,
+            tokenizer=args.tokenizer,
             connect_timeout_s=args.connect_timeout_s,
             health_timeout_s=args.health_timeout_s,
             health_interval_s=args.health_interval_s,
@@ -156,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         backends = f"prefill {', '.join(config.prefill_urls)}, decode {', '.join(config.decode_urls)}"
         if config.colocate_below is not None:
-            backends += f"; prompts below ~{config.colocate_below} tokens go to decode alone"
+            backends += f"; uncached suffixes below {config.colocate_below} tokens go to decode alone"
     try:  # --port 0: bound now and printed (http_port.py); else uvicorn binds it, as uvicorn.run would
         sockets = bind_port_zero("proxy", args.host, args.port)
     except OSError as e:

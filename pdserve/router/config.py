@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.credentials import Credentials
+from pdserve.router.kv_index import DEFAULT_MAX_KEYS
+from pdserve.router.kv_route import DEFAULT_HIT_WEIGHT, DEFAULT_LOAD_WEIGHT, KVWeights
 from pdserve.router.policy import MODES, POLICIES
 from pdserve.web import DEFAULT_MAX_BODY_BYTES
 
@@ -15,8 +17,12 @@ class RouterConfig:
     prefill_urls: tuple[str, ...] = ()  # base URLs of prefill instances (pull, push)
     decode_urls: tuple[str, ...] = ()  # base URLs of decode instances (pull, push)
     instance_urls: tuple[str, ...] = ()  # base URLs of `--kv-role both` instances (colocated)
-    colocate_below: int | None = None  # pull/push: prompts estimated below this many tokens go to D alone
-    policy: str = "least-loaded"  # or "round-robin"
+    colocate_below: int | None = None  # pull/push: uncached suffixes at D below this many tokens go to D alone
+    policy: str = "least-loaded"  # --routing: or "round-robin", or "kv-aware" (router/kv_route.py)
+    kv_hit_weight: float = DEFAULT_HIT_WEIGHT  # kv-aware: outstanding legs a fully cached prompt is worth
+    kv_load_weight: float = DEFAULT_LOAD_WEIGHT  # kv-aware: cost per outstanding leg
+    kv_index_max_keys: int = DEFAULT_MAX_KEYS  # kv-aware: block keys kept per instance (router/kv_index.py)
+    tokenizer: str | None = None  # kv-aware: a tokenizer folder for text prompts; None: the instances' model
     connect_timeout_s: float = 10.0  # to open a connection to a backend
     health_timeout_s: float = 5.0  # for each backend's /health and P's /kv_transfer/info
     health_interval_s: float = 2.0  # every backend's /health is polled this often (router/health.py)
@@ -31,6 +37,9 @@ class RouterConfig:
             raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        KVWeights(self.kv_hit_weight, self.kv_load_weight)  # refuses a negative or infinite weight
+        if self.kv_index_max_keys < 1:
+            raise ValueError(f"--kv-index-max-keys must be >= 1, got {self.kv_index_max_keys}")
         if not self.health_interval_s > 0 or not self.health_timeout_s > 0:
             raise ValueError("--health-interval-s and --health-timeout-s must be > 0")
         Credentials(self.api_key, self.internal_api_key)  # refuses an empty key, or one key in both roles
@@ -53,6 +62,10 @@ class RouterConfig:
         for url in self.prefill_urls + self.decode_urls + self.instance_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend URL {url!r} must start with http:// or https://")
+
+    @property
+    def kv_weights(self) -> KVWeights:
+        return KVWeights(self.kv_hit_weight, self.kv_load_weight)
 
     @property
     def credentials(self) -> Credentials:

@@ -12,9 +12,12 @@ push: both legs leave at once (router/push.py).
 Or not split:
 colocated: the whole request goes to one `--kv-role both` instance of the pool, chosen by the policy; its
       answer (streamed or not) goes back as is. A failure is a 502 naming the instance.
-selective disaggregation (pull, push with `colocate_below`): a request whose estimated prompt
-      (router/prompt_len.py) is shorter than `colocate_below` tokens goes whole to a decode instance, without
-      kv_transfer_params, and D prefills it locally; P never sees it.
+selective disaggregation (pull, push with `colocate_below`): a request whose uncached suffix at the chosen
+      decode instance (prompt tokens - the tokens the router believes D caches: router/kv_route.py; 0 unless
+      the routing is kv-aware) is shorter than `colocate_below` tokens goes whole to that decode instance,
+      without kv_transfer_params, and D prefills it locally; P never sees it. The prompt's tokens are exact for
+      token ids (and text, with the router's tokenizer: router/prompt_tokens.py), else estimated
+      (router/prompt_len.py).
 
 Both legs carry the client's X-Request-Id. A client that disconnects cancels the legs in flight: their
 connections close, and each backend aborts its request and frees its blocks.
@@ -34,9 +37,13 @@ from pdserve.kv.params import KVParamsError, PullSource, Refusal, RemoteDecode, 
 from pdserve.router.background import Background
 from pdserve.router.call import Call, prefill_body
 from pdserve.router.health import HealthMonitor
+from pdserve.router.kv_index import KVIndex
+from pdserve.router.kv_route import Choice, KVRoute, KVWeights, PromptKeys
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import MODES, Pool
 from pdserve.router.prefill_info import PrefillInfo
 from pdserve.router.prompt_len import estimate_prompt_tokens
+from pdserve.router.prompt_tokens import PromptTokens
 from pdserve.router.push import Push
 from pdserve.router.relay import relay_stream
 from pdserve.router.upstream import LegError, open_stream, post_json
@@ -49,8 +56,10 @@ class Orchestrator:
     """Runs calls in `mode` with one shared aiohttp session.
 
     pull/push: over the `prefill` and `decode` pools; colocated: `prefill` is None and `decode` is the pool of
-    `--kv-role both` instances, each of which runs whole requests. `colocate_below` (pull/push only): prompts
-    estimated shorter than this many tokens skip P and go whole to a decode instance; None = never.
+    `--kv-role both` instances, each of which runs whole requests. `colocate_below` (pull/push only): requests
+    whose uncached suffix at the chosen decode instance is shorter than this many tokens skip P and go whole to
+    it; None = never. `route` chooses instances (by cache and load when the pools are kv-aware) and
+    `prompts` gives a body's prompt token ids when the router can know them.
     """
 
     def __init__(
@@ -62,6 +71,8 @@ class Orchestrator:
         info_timeout_s: float = 10.0,
         colocate_below: int | None = None,
         kv_auth: KVAuth | None = None,
+        route: KVRoute | None = None,
+        prompts: PromptTokens | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
@@ -81,38 +92,50 @@ class Orchestrator:
         self._push = None if prefill is None else Push(prefill, decode, session, self.prefill_info, self.kv_auth,
                                                        self.background)  # fmt: skip
         self.monitor: HealthMonitor | None = None  # set by the app: re-checks before a refusal for health
+        self.route = route or KVRoute(KVIndex([]), KVWeights(), RouterMetrics())  # instance choice per leg
+        self.prompts = prompts or PromptTokens(None)  # a body's prompt token ids, when knowable
 
     @property
     def prefill(self) -> Pool:
         assert self._prefill is not None, "colocated mode has no prefill pool"
         return self._prefill
 
-    def is_short(self, body: dict[str, Any]) -> bool:
-        """Whether a pull/push call skips P: its estimated prompt is below `colocate_below` tokens."""
+    def is_short(self, body: dict[str, Any], decode_hit_tokens: int = 0, num_tokens: int | None = None) -> bool:
+        """Whether a pull/push call skips P: its uncached suffix at the chosen D (`num_tokens`, or the estimated
+        prompt, less `decode_hit_tokens`) is below `colocate_below` tokens."""
         if self.colocate_below is None:
             return False
-        num_tokens = estimate_prompt_tokens(body)
-        return num_tokens is not None and num_tokens < self.colocate_below
+        if num_tokens is None:
+            num_tokens = estimate_prompt_tokens(body)
+        return num_tokens is not None and num_tokens - decode_hit_tokens < self.colocate_below
 
     async def handle(self, call: Call) -> Response:
         """The client's answer; raises LegError or ClientDisconnected."""
+        prompt = await self.prompts.keys(call.parsed) if self.route.is_kv_aware(self.decode) else None
         if self.mode == "colocated":
-            return await self._whole(call, "instance")
-        if self.is_short(call.body):
-            return await self._whole(call, "decode")
+            return await self._whole(call, "instance", self.route.choose(self.decode, prompt))
+        d: Choice | None = None
+        if self.colocate_below is not None:
+            d = self.route.choose(self.decode, prompt)
+            if self.is_short(call.body, d.hit_tokens, None if prompt is None else prompt.num_tokens):
+                return await self._whole(call, "decode", d)
+        self.route.metrics.requests["split"] += 1
         if self.mode == "pull":
-            return await self._pull(call)
+            return await self._pull(call, prompt)  # D is chosen when P has answered
         assert self._push is not None
-        return await self._push.call(call)
+        p = self.route.choose(self.prefill, prompt)
+        d = d or self.route.choose(self.decode, prompt)
+        return await self._push.call(call, p.backend, d.backend)
 
     # --- whole requests (colocated, or short prompts in pull/push) ---------------------------------------
 
-    async def _whole(self, call: Call, leg: str) -> Response:
-        """Send the client's body, without kv_transfer_params, to one instance of the decode pool; `leg`
+    async def _whole(self, call: Call, leg: str, choice: Choice) -> Response:
+        """Send the client's body, without kv_transfer_params, to the chosen instance of the decode pool; `leg`
         ("instance" or "decode") names it in errors."""
         call.is_whole = True
         self.num_whole += 1
-        d = self.decode.choose()
+        self.route.metrics.requests["whole"] += 1
+        d = choice.backend
         call.decode_url = d.url
         body = {k: v for k, v in call.body.items() if k != "kv_transfer_params"}
         if not call.is_stream:
@@ -133,14 +156,14 @@ class Orchestrator:
 
     # --- pull -------------------------------------------------------------------------------------------
 
-    async def _pull(self, call: Call) -> Response:
+    async def _pull(self, call: Call, prompt: PromptKeys | None) -> Response:
         if not self.decode.has_healthy() and self.monitor is not None:
             await self.monitor.check_pool(self.decode)  # the marks may be up to one interval old
         if not self.decode.has_healthy():  # refuse before P spends a prefill (and pins blocks) for nothing
             urls = ", ".join(b.url for b in self.decode.backends)
             message = f"no healthy decode instance ({urls}); retry later"
             raise LegError("decode", urls, message, status=503, retry_after="1")
-        p = self.prefill.choose()
+        p = self.route.choose(self.prefill, prompt).backend
         call.prefill_url = p.url
         with self.prefill.lease(p):
             body = prefill_body(call.body, encode(RemoteDecode(None, None, None, call.max_tokens)))
@@ -164,7 +187,7 @@ class Orchestrator:
             log.warning(
                 "request %s: prefill %s returned no kv_transfer_params; decode will prefill", call.request_id, p.url
             )
-        d = self.decode.choose()
+        d = self.route.choose(self.decode, prompt).backend  # chosen now: its load and cache as P answers
         call.decode_url = d.url
         d_body = {**call.body, "kv_transfer_params": None if kv is None else raw}  # verbatim: see the docstring
         try:

@@ -1,4 +1,5 @@
-"""Choosing an instance for a leg: least outstanding requests (default) or round robin.
+"""Choosing an instance for a leg: least outstanding requests (default), round robin, or KV-aware (least
+cost, where the caller's cost weighs what the instance has cached against its load: router/kv_route.py).
 
 The router counts its own outstanding legs per backend; it does not poll the instances' metrics, so the
 count is exact for traffic through this router and blind to traffic that bypasses it.
@@ -7,9 +8,10 @@ count is exact for traffic through this router and blind to traffic that bypasse
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
-POLICIES = ("least-loaded", "round-robin")
+POLICIES = ("least-loaded", "round-robin", "kv-aware")
 MODES = ("pull", "push", "colocated")  # pull/push: a prefill and a decode leg; colocated: whole requests
 
 
@@ -41,10 +43,16 @@ class Pool:
     def has_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)
 
-    def choose(self) -> Backend:
+    def choose(self, cost: Callable[[Backend], float] | None = None) -> Backend:
         """A backend by the policy, among the healthy ones (all of them when none is healthy: the leg then
-        fails with the backend's own error rather than the router guessing)."""
+        fails with the backend's own error rather than the router guessing). kv-aware: the least `cost`
+        (ties rotate); without a cost (a prompt the router cannot hash) it is least-loaded."""
         candidates = [b for b in self.backends if b.healthy] or self.backends
+        if self.policy == "kv-aware" and cost is not None:
+            costs = [cost(b) for b in candidates]
+            cheapest = min(costs)
+            tied = [b for b, c in zip(candidates, costs, strict=True) if c == cheapest]
+            return tied[next(self._next_tie) % len(tied)]
         if self.policy == "round-robin":
             for _ in range(len(self.backends)):
                 b = self.backends[next(self._cycle)]

@@ -3,13 +3,19 @@ share from `app.state.router` (a RouterState).
 
 Routes: POST /v1/completions and /v1/chat/completions (split into a prefill and a decode leg by the
 Orchestrator, or sent whole to one instance in colocated mode), GET /health (200 only when every backend
-answers its /health with 200), GET /v1/models (from the first decode, or colocated, instance).
+answers its /health with 200), GET /v1/models (from the first decode, or colocated, instance), GET /metrics
+(the router's own counters: router/metrics.py).
+
+With `--routing kv-aware` the lifespan also follows every instance's /kv_events (router/kv_stream.py) and loads
+the tokenizer for text prompts in the background (router/prompt_tokens.py). Shutdown order: the tokenizer
+task, the event streams and the health monitor stop, then the HTTP session closes.
 The router speaks HTTP only: it imports neither engine nor model nor torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -22,9 +28,14 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.kv.capability import KVAuth
 from pdserve.openai_request import CHAT_PATH, COMPLETIONS_PATH, parse_request
+from pdserve.router import prompt_tokens
 from pdserve.router.call import Call
 from pdserve.router.config import RouterConfig
 from pdserve.router.health import HealthMonitor
+from pdserve.router.kv_index import KVIndex
+from pdserve.router.kv_route import KVRoute
+from pdserve.router.kv_stream import KVEventStreams
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrate import Orchestrator
 from pdserve.router.policy import Pool
 from pdserve.router.upstream import LegError, get_json, make_session
@@ -56,6 +67,10 @@ class RouterState:
             if self.colocated
             else Pool("decode", list(config.decode_urls), config.policy)
         )
+        self.is_kv_aware = config.policy == "kv-aware"
+        urls = [b.url for pool in (self.prefill, self.decode) if pool is not None for b in pool.backends]
+        self.kv_index = KVIndex(urls if self.is_kv_aware else [], config.kv_index_max_keys)  # URL -> prefix index
+        self.metrics = RouterMetrics()  # the router's own /metrics
         self._orchestrator: Orchestrator | None = None
 
     def attach(self, orchestrator: Orchestrator) -> None:
@@ -89,6 +104,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         config.health_timeout_s,
         config.colocate_below,
         KVAuth(config.kv_auth_secret),
+        KVRoute(state.kv_index, config.kv_weights, state.metrics),
     )
     pools = [pool for pool in (state.prefill, state.decode) if pool is not None]
     monitor = HealthMonitor(
@@ -96,10 +112,27 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     )
     orchestrator.monitor = monitor
     state.attach(orchestrator)
-    monitor.start()  # stopped below, before the session closes
+    streams = KVEventStreams(state.kv_index, session, state.metrics)  # no instances unless kv-aware
+    tokenizer_task: asyncio.Task[None] | None = None
+    if state.is_kv_aware:
+
+        async def load_tokenizer() -> None:
+            orchestrator.prompts = await prompt_tokens.load(
+                config.tokenizer, state.decode.backends[0].url, session, config.health_timeout_s,
+                config.health_interval_s,
+            )  # fmt: skip
+
+        tokenizer_task = asyncio.create_task(load_tokenizer(), name="router-tokenizer")
+    monitor.start()  # these three are stopped below, before the session closes
+    streams.start()
     try:
         yield
     finally:
+        if tokenizer_task is not None:
+            tokenizer_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tokenizer_task
+        await streams.stop()
         await monitor.stop()
         await session.close()
 
@@ -128,7 +161,7 @@ async def _relay(path: str, request: Request) -> Response:
         log.info("POST %s refused with 400: %s", path, e)
         return error_response(400, str(e))
     request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
-    call = Call(path, body, request_id, request, parsed.stream, parsed.requested_max_tokens)
+    call = Call(path, body, request_id, request, parsed.stream, parsed.requested_max_tokens, parsed=parsed)
     status = 200
     try:
         return await orchestrator.handle(call)
@@ -182,6 +215,13 @@ async def health(request: Request) -> Response:
     if state.colocated:
         return JSONResponse({"status": "ok", "instances": list(config.instance_urls)})
     return JSONResponse({"status": "ok", "prefill": list(config.prefill_urls), "decode": list(config.decode_urls)})
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    body = state.metrics.render(state.kv_index if state.is_kv_aware else None)
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @routes.get("/v1/models")

@@ -51,8 +51,8 @@ class Push:
         self.prefill, self.decode, self.session = prefill, decode, session
         self.prefill_info, self.kv_auth, self.background = prefill_info, kv_auth, background
 
-    async def call(self, call: Call) -> Response:
-        p, d = self.prefill.choose(), self.decode.choose()
+    async def call(self, call: Call, p: Backend, d: Backend) -> Response:
+        """Run the call on prefill instance `p` and decode instance `d` (chosen by the orchestrator)."""
         call.prefill_url, call.decode_url = p.url, d.url
         info = await race_disconnect(self.prefill_info.get(p.url), call.http)
         try:

@@ -1,0 +1,103 @@
+"""KV-aware instance choice: each candidate's cost weighs the prompt's cached prefix there against its load.
+
+    cost(instance) = kv_load_weight * outstanding legs - kv_hit_weight * cached tokens / prompt tokens
+
+`cached tokens` are the instance's leading prompt blocks its prefix index holds (router/kv_index.py, stopping
+at the first miss) times its block size, at most prompt tokens - 1 (the engine always computes the last prompt
+token). So kv_hit_weight is what a fully cached prompt is worth in outstanding legs: with the defaults (hit 2,
+load 1) an instance holding the whole prompt wins unless it has two more legs in flight than one holding none.
+Ties rotate (policy.Pool.choose). A prompt the router cannot hash (text without a tokenizer, a batch) is
+routed by load alone. A wrong guess costs a prefix miss (a longer prefill), never a wrong answer: the instance
+computes whatever it does not hold.
+
+Selective disaggregation (`--colocate-below N`, orchestrate.py) uses the same numbers: a request whose uncached
+suffix at the chosen decode instance (prompt tokens - its cached tokens) is below N runs whole there. With
+least-loaded or round-robin routing the cached tokens are 0, so the rule is the prompt length, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdserve.kv.block_hashes import BlockHash, prompt_block_hashes
+from pdserve.router.kv_index import KVIndex
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import Backend, Pool
+
+DEFAULT_HIT_WEIGHT = 2.0  # outstanding legs a fully cached prompt is worth (docs/benchmarks.md: how chosen)
+DEFAULT_LOAD_WEIGHT = 1.0  # per outstanding leg
+
+
+@dataclass(frozen=True)
+class KVWeights:
+    """The cost's weights (module docstring)."""
+
+    hit_weight: float = DEFAULT_HIT_WEIGHT  # per fully cached prompt (the cached fraction's weight)
+    load_weight: float = DEFAULT_LOAD_WEIGHT  # per outstanding leg through this router
+
+    def __post_init__(self) -> None:
+        for name, value in (("--kv-hit-weight", self.hit_weight), ("--kv-load-weight", self.load_weight)):
+            if not value >= 0 or value == float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+@dataclass
+class PromptKeys:
+    """One request's prompt token ids and their block keys, hashed once per block size asked for."""
+
+    token_ids: Sequence[int]  # the prompt as the instance will see it
+    _by_size: dict[int, list[BlockHash]] = field(default_factory=dict)  # block size -> keys of full blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def hashes(self, block_size: int) -> list[BlockHash]:
+        keys = self._by_size.get(block_size)
+        if keys is None:
+            keys = self._by_size[block_size] = prompt_block_hashes(self.token_ids, block_size)
+        return keys
+
+
+@dataclass(frozen=True)
+class Choice:
+    """An instance chosen for a leg, and what the router believes it holds of the prompt."""
+
+    backend: Backend  # the instance
+    hit_tokens: int  # leading prompt tokens cached there (0: unknown, or not kv-aware)
+
+
+class KVRoute:
+    """Chooses instances by cache and load (kv-aware pools) or by the pool's policy alone (others)."""
+
+    def __init__(self, index: KVIndex, weights: KVWeights, metrics: RouterMetrics) -> None:
+        self.index = index  # the instances' prefix indexes, fed by router/kv_stream.py
+        self.weights = weights
+        self.metrics = metrics
+
+    def is_kv_aware(self, pool: Pool) -> bool:
+        return pool.policy == "kv-aware"
+
+    def hit(self, url: str, prompt: PromptKeys) -> tuple[int, int]:
+        """(cached blocks, cached tokens) of `prompt` at instance `url`: (0, 0) when its index is unusable."""
+        inst = self.index.get(url)
+        if inst is None or not inst.usable or inst.block_size is None:
+            return 0, 0
+        blocks = inst.hit_blocks(prompt.hashes(inst.block_size))
+        return blocks, min(blocks * inst.block_size, max(prompt.num_tokens - 1, 0))
+
+    def choose(self, pool: Pool, prompt: PromptKeys | None) -> Choice:
+        if pool.policy != "kv-aware" or prompt is None or prompt.num_tokens == 0:
+            return Choice(pool.choose(), 0)
+        hits: dict[str, tuple[int, int]] = {}
+        w = self.weights
+
+        def cost(b: Backend) -> float:
+            hits[b.url] = self.hit(b.url, prompt)
+            return w.load_weight * b.num_outstanding - w.hit_weight * hits[b.url][1] / prompt.num_tokens
+
+        backend = pool.choose(cost)
+        blocks, tokens = hits[backend.url]
+        self.metrics.kv_choice(pool.role, blocks, tokens, prompt.num_tokens)
+        return Choice(backend, tokens)

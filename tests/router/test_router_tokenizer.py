@@ -1,0 +1,57 @@
+"""The router's tokenizer (tokenizers + jinja2, no transformers) gives the token ids the server's tokenizer gives
+(model/tokenizer.py: transformers), for text and chat prompts: the router hashes what the instance caches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router.tokenizer import RouterTokenizer
+
+TEXTS = ["Hello, world!", "  leading spaces\nand lines\t", "ünïcödé ✓ 中文", "x" * 300]
+CHATS = [
+    [{"role": "user", "content": "Hi"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Question one?"},
+        {"role": "assistant", "content": "Answer."},
+        {"role": "user", "content": "Ünïcödé follow-up"},
+    ],
+]
+
+
+def same_ids(folder: Path) -> None:
+    server, router = Tokenizer.from_pretrained(folder), RouterTokenizer(folder)
+    for text in TEXTS:
+        assert router.encode(text) == server.encode(text), text
+    assert router.has_chat_template == server.has_chat_template
+    if server.has_chat_template:
+        for chat in CHATS:
+            assert router.render_chat(chat) == server.render_chat(chat)
+            assert router.chat_ids(chat) == server.apply_chat_template(chat)
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_byte_tokenizer_matches_the_server(
+    tmp_path: Path, make_byte_tokenizer: Callable[..., Any], add_bos: bool
+) -> None:
+    make_byte_tokenizer(add_bos).save_pretrained(tmp_path)
+    same_ids(tmp_path)
+
+
+def test_smollm2_matches_the_server_when_converted() -> None:
+    """The built-in model's real template (loops, conditionals, a default system prompt), when its converted
+    folder is in this machine's cache (`pdserve serve smollm2-135m` made it)."""
+    folders = sorted((Path.home() / ".cache" / "pdserve").glob("smollm2-135m-*/tokenizer.json"))
+    if not folders:
+        pytest.skip("no converted smollm2-135m folder in ~/.cache/pdserve")
+    same_ids(folders[-1].parent)
+
+
+def test_a_folder_without_tokenizer_json_has_none(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        RouterTokenizer(tmp_path)
