@@ -1,0 +1,149 @@
+"""`pdserve proxy --routing kv-aware` in front of real instances of the tiny Llama (issue 29 items 2 and 3), one
+deployment for every case: 1 P + 2 D in pull mode (with a deployment secret, without which D keeps received KV
+out of its prefix cache) behind a kv-aware router with --colocate-below 24 (16-token
+blocks), and a colocated kv-aware router over one of those D and a stub backend whose /kv_events is garbage.
+
+- a conversation's turns stay on the D that served the first turn; a turn whose uncached suffix there is below
+  the threshold runs whole on that D (P never sees it, D reports the prefix as cached tokens); every answer
+  equals the other D's colocated answer, and every block is free afterwards;
+- a stub answering garbage on /kv_events closes that stream only: the router keeps routing, says so in
+  /metrics;
+- a D killed mid-deployment: its stream is lost (logged once, /metrics 0) and routing goes on with the other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
+from stub_backend import StubBackend
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 8}
+COLOCATE_BELOW = 24
+TURN_0 = [5 + (7 * i) % 250 for i in range(80)]  # 5 full blocks of 16
+DEADLINE_S = 60.0
+
+
+class Deployment:
+    def __init__(self, p: Proc, ds: list[Proc], router: Proc, stub: StubBackend, colocated: Proc) -> None:
+        self.p, self.ds, self.router, self.stub, self.colocated = p, ds, router, stub, colocated
+
+
+@pytest.fixture(scope="module")
+def dep(launcher: Launcher, tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    secret = tmp_path_factory.mktemp("secret") / "kv_auth_secret"  # D caches received KV only with a secret
+    secret.write_text("kv-aware-e2e-secret-0123456789\n")
+    secret.chmod(0o600)
+    auth = ["--kv-auth-secret-file", str(secret)]
+    common = ["--kv-transfer", "pull", "--num-gpu-blocks", "64", *auth]
+    p = launcher.serve(tiny_llama, "--kv-role", "prefill", *common, name="P")
+    ds = [launcher.serve(tiny_llama, "--kv-role", "decode", *common, name=f"D{i}") for i in range(2)]
+    launcher.wait_ready()
+    completion = {"choices": [{"index": 0, "text": "stub", "finish_reason": "length"}], "object": "text_completion"}
+    with StubBackend(info=lambda: {}, answer=lambda path: (200, completion)) as stub:
+        kv = ["--routing", "kv-aware", "--health-interval-s", "0.5"]
+        router = launcher.proxy("pull", [p], ds, *kv, *auth, "--colocate-below", str(COLOCATE_BELOW), name="router")
+        colocated = launcher.start(
+            "router-colocated",
+            ["proxy", "--mode", "colocated", "--port", "0", "--instance", ds[0].url, stub.url, *kv],
+            0,
+        )
+        launcher.wait_ready()
+        yield Deployment(p, ds, router, stub, colocated)
+
+
+def wait_for(what: str, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not check():
+        assert time.monotonic() < deadline, f"not within {DEADLINE_S:.0f} s: {what}"
+        time.sleep(0.1)
+
+
+def router_metric(router: Proc, name: str) -> float:
+    return scrape_metrics(router.url).get(name, -1.0)
+
+
+def log_line(proc: Proc, request_id: str) -> str:
+    lines = [ln for ln in proc.log_text().splitlines() if f"request {request_id} " in ln]
+    assert lines, f"no log line for {request_id}"
+    return lines[-1]
+
+
+def ask(url: str, prompt: list[int], request_id: str) -> dict[str, Any]:
+    resp = post(url, "/v1/completions", {"prompt": prompt, **GREEDY}, {"X-Request-Id": request_id})
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def seen_by(proc: Proc, request_id: str) -> bool:
+    timeline = httpx.get(proc.url + "/timeline", timeout=10, trust_env=False).json()
+    return any(t.get("client_request_id") == request_id for t in timeline)
+
+
+def keys_of(router: Proc, d: Proc) -> float:
+    return router_metric(router, f'pdserve_router_kv_index_keys{{instance="{d.url}"}}')
+
+
+def test_a_conversation_stays_where_its_prefix_is(dep: Deployment) -> None:
+    prompts, answers = [TURN_0], []
+    first = ask(dep.router.url, TURN_0, "conv-0")
+    assert "route=split" in log_line(dep.router, "conv-0")
+    home = next(d for d in dep.ds if seen_by(d, "conv-0"))  # the D that served turn 0
+    answers.append(first["choices"][0]["token_ids"])
+    wait_for("the router learned turn 0's blocks on its D", lambda: keys_of(dep.router, home) >= 5)
+    # turn 1: 80 cached + 8 answer + 10 new tokens: 18 uncached at home, below 24: whole on home
+    prompts.append(TURN_0 + answers[0] + [100 + i for i in range(10)])
+    second = ask(dep.router.url, prompts[1], "conv-1")
+    line = log_line(dep.router, "conv-1")
+    assert "route=whole" in line and f"decode={home.url}" in line, line
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80  # home's prefix cache served it
+    assert seen_by(home, "conv-1") and not seen_by(dep.p, "conv-1")  # P never saw it
+    answers.append(second["choices"][0]["token_ids"])
+    wait_for("the router learned turn 1's blocks", lambda: keys_of(dep.router, home) >= 6)
+    # turn 2: 40 new tokens, above the threshold: through P, and to home again (its cache)
+    prompts.append(prompts[1] + answers[1] + [150 + i for i in range(40)])
+    third = ask(dep.router.url, prompts[2], "conv-2")
+    line = log_line(dep.router, "conv-2")
+    assert "route=split" in line and f"decode={home.url}" in line, line
+    answers.append(third["choices"][0]["token_ids"])
+    other = next(d for d in dep.ds if d is not home)
+    for i, prompt in enumerate(prompts):  # colocated, on the D that served none of them
+        assert ask(other.url, prompt, f"ref-{i}")["choices"][0]["token_ids"] == answers[i], i
+    assert router_metric(dep.router, 'pdserve_router_kv_hit_blocks_total{role="decode"}') >= 10
+    for proc in [dep.p, *dep.ds]:
+        m = wait_idle(proc.url)
+        assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], proc.name
+
+
+def test_a_garbage_event_stream_closes_that_stream_only(dep: Deployment) -> None:
+    stub_up = f'pdserve_router_kv_stream_up{{instance="{dep.stub.url}"}}'
+    fails = f'pdserve_router_kv_stream_failures_total{{instance="{dep.stub.url}"}}'
+    wait_for("the stub's stream failed twice", lambda: router_metric(dep.colocated, fails) >= 2)
+    assert router_metric(dep.colocated, stub_up) == 0
+    assert router_metric(dep.colocated, f'pdserve_router_kv_stream_up{{instance="{dep.ds[0].url}"}}') == 1
+    for i in range(4):  # the router still routes (to the stub's fake answers and to D0)
+        ask(dep.colocated.url, TURN_0[: 20 + i], f"garbage-{i}")
+    assert dep.colocated.popen.poll() is None
+    assert dep.colocated.log_text().count(f"kv events of {dep.stub.url} lost") == 1  # said once
+
+
+def test_a_killed_decode_instance_leaves_routing_to_the_other(dep: Deployment) -> None:
+    dead, alive = dep.ds[1], dep.ds[0]
+    dead.stop()
+    up = f'pdserve_router_kv_stream_up{{instance="{dead.url}"}}'
+    fails = f'pdserve_router_kv_stream_failures_total{{instance="{dead.url}"}}'
+    wait_for("the dead D's stream is lost", lambda: router_metric(dep.router, up) == 0)
+    wait_for("a retry failed too", lambda: router_metric(dep.router, fails) >= 2)
+    for i in range(3):
+        ask(dep.router.url, [9 + i] * 40, f"after-kill-{i}")
+        assert f"decode={alive.url}" in log_line(dep.router, f"after-kill-{i}")
+    assert dep.router.log_text().count(f"kv events of {dead.url} lost") == 1
+    for proc in (dep.p, alive):
+        m = wait_idle(proc.url)
+        assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], proc.name
