@@ -15,7 +15,7 @@ from pdserve.arg_types import comma_list, non_negative_int, percent, positive_fl
 from pdserve.bench import workload
 from pdserve.bench.deploy import ServerOptions
 from pdserve.bench.phases import phases_summary
-from pdserve.bench.sweep import DEFAULT_MODES, MODES, Endpoints, Sweep, SweepConfig, summary_table
+from pdserve.bench.sweep import DEFAULT_MODES, MODES, ROUTINGS, Endpoints, Sweep, SweepConfig, summary_table
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -24,6 +24,14 @@ def _modes(text: str) -> tuple[str, ...]:
         if m not in MODES:
             raise argparse.ArgumentTypeError(f"mode {m!r} is not one of {', '.join(MODES)}")
     return modes
+
+
+def _routings(text: str) -> tuple[str, ...]:
+    routings = tuple(r.strip() for r in text.split(",") if r.strip())
+    for r in routings:
+        if r not in ROUTINGS:
+            raise argparse.ArgumentTypeError(f"routing {r!r} is not one of {', '.join(ROUTINGS)}")
+    return routings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +143,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--server-arg", action="append", default=[], help="extra flag for both servers (repeat)")
     server.add_argument(
+        "--num-prefill",
+        type=positive_int,
+        default=1,
+        help="prefill instances per pull/push deployment (colocated: --num-prefill + --num-decode instances, those "
+        "past the prefill count on --decode-gpu) (default 1)",
+    )
+    server.add_argument(
+        "--num-decode", type=positive_int, default=1, help="decode instances per pull/push deployment (default 1)"
+    )
+    server.add_argument(
+        "--decode-prefix-caching",
+        action="store_true",
+        help="keep the decode instances' prefix cache on (kv-aware routing needs it); default: off, so D never "
+        "shortcuts a transfer, as in the reference push/pull runs",
+    )
+    server.add_argument(
+        "--routings",
+        type=_routings,
+        default=(),
+        help="comma-separated `pdserve proxy --routing` values to compare (least-loaded,kv-aware): one deployment "
+        "per mode and routing, named MODE-ROUTING in results (`pull-kv-aware`; the JSONs add transfer_mode and "
+        "routing); colocated routers get --routing too; with --interleave all run at once, points alternating. "
+        "Default: one deployment per mode with the router's default",
+    )
+    server.add_argument(
         "--router-arg",
         action="append",
         default=[],
@@ -169,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
             prefill_gpu=args.prefill_gpu,
             decode_gpu=args.decode_gpu,
             extra_args=tuple(args.server_arg),
+            decode_prefix_caching=args.decode_prefix_caching,
         )
     return SweepConfig(
         modes=args.modes,
@@ -196,6 +230,9 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         goodput_threshold=args.goodput_threshold / 100.0,
         router_args=tuple(args.router_arg),
         dataset_args=tuple(workload.bench_argv(args)),
+        routings=args.routings,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
     )
 
 

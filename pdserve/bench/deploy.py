@@ -1,7 +1,8 @@
-"""A 1P1D deployment + router on this machine, started as subprocesses and always torn down.
+"""A P/D deployment (1P1D by default; `num_prefill` x `num_decode`) + router on this machine, started as
+subprocesses and always torn down.
 
-Colocated mode starts as many `--kv-role both` instances as 1P1D uses devices (two: the first where prefill
-would run, on --prefill-gpu, the second on --decode-gpu; same server flags otherwise) behind a
+Colocated mode starts as many `--kv-role both` instances as the P/D deployment has (two for 1P1D: those where
+prefill would run on --prefill-gpu, the others on --decode-gpu; same server flags otherwise) behind a
 `pdserve proxy --mode colocated` router.
 
 Startup order: prefill and decode (or both instances) together (they load the model in parallel), wait for
@@ -42,6 +43,8 @@ class ServerOptions:
     prefill_gpu: int | None = None  # CUDA_VISIBLE_DEVICES of the prefill server
     decode_gpu: int | None = None  # CUDA_VISIBLE_DEVICES of the decode server
     extra_args: tuple[str, ...] = ()  # appended verbatim to both servers' command lines
+    decode_prefix_caching: bool = False  # D keeps a prefix cache (kv-aware routing needs one); off: D never
+    # shortcuts a transfer, as in the reference push/pull runs
 
     def server_flags(self) -> list[str]:
         flags = []
@@ -60,12 +63,13 @@ class ServerOptions:
 
 @dataclass
 class Deployment:
-    """1 prefill + 1 decode + router for one transfer mode (or, colocated, two `--kv-role both` instances +
-    router), on loopback ports chosen when started."""
+    """`num_prefill` prefill + `num_decode` decode instances + router for one transfer mode (or, colocated, as
+    many `--kv-role both` instances + router), on loopback ports chosen when started."""
 
     options: ServerOptions
     mode: str  # "push", "pull" or "colocated"
-    log_dir: Path  # <log_dir>/<mode>_{prefill,decode,router}.log; colocated: <mode>_instance{0,1}.log
+    log_dir: Path  # <log_dir>/<mode>_{prefill,decode,router}.log (prefill0, ... when several); colocated:
+    # <mode>_instance{0,1,...}.log
     host: str = "127.0.0.1"
     startup_timeout_s: float = 600.0
     python: str = sys.executable
@@ -76,9 +80,18 @@ class Deployment:
     secret_file: Path | None = None  # this deployment's secret (written by start())
     instance_urls: list[str] = field(default_factory=list)  # colocated: the `--kv-role both` instances
     router_args: tuple[str, ...] = ()  # appended verbatim to the router's command line
+    num_prefill: int = 1  # prefill instances (colocated: num_prefill + num_decode instances)
+    num_decode: int = 1  # decode instances
+    prefill_urls: list[str] = field(default_factory=list)  # every prefill instance (prefill_url: the first)
+    decode_urls: list[str] = field(default_factory=list)  # every decode instance (decode_url: the first)
+    label: str = ""  # names its log and secret files instead of the mode (two deployments of one mode at once)
+
+    @property
+    def stem(self) -> str:
+        return self.label or self.mode
 
     def _write_secret(self) -> Path:
-        path = self.log_dir / f"{self.mode}_kv_auth_secret"
+        path = self.log_dir / f"{self.stem}_kv_auth_secret"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not even briefly
@@ -94,7 +107,7 @@ class Deployment:
         if role == "both":
             return argv + ["--kv-role", "both"] + self.options.server_flags()
         argv += ["--kv-role", role, "--kv-transfer", self.mode, "--kv-side-channel-port", str(side_port)]
-        if role == "decode":
+        if role == "decode" and not self.options.decode_prefix_caching:
             argv.append("--no-enable-prefix-caching")  # as in the reference runs: D never shortcuts a transfer
         return argv + self._auth_flags() + self.options.server_flags()
 
@@ -111,29 +124,29 @@ class Deployment:
         logs = self.log_dir
         self.secret_file = self._write_secret()
         try:
-            prefill = ManagedProcess(
-                "prefill",
-                self._serve_argv("prefill", 0, 0),
-                logs / f"{self.mode}_prefill.log",
-                self._gpu_env(self.options.prefill_gpu),
-            )
-            self.procs.append(prefill)
-            decode = ManagedProcess(
-                "decode",
-                self._serve_argv("decode", 0, 0),
-                logs / f"{self.mode}_decode.log",
-                self._gpu_env(self.options.decode_gpu),
-            )
-            self.procs.append(decode)
-            self.prefill_url = self._url(prefill)
-            self.decode_url = self._url(decode)
-            prefill.wait_healthy(self.prefill_url + "/health", self.startup_timeout_s)
-            decode.wait_healthy(self.decode_url + "/health", self.startup_timeout_s)
+            started: dict[str, list[ManagedProcess]] = {"prefill": [], "decode": []}
+            for role, count, gpu in (
+                ("prefill", self.num_prefill, self.options.prefill_gpu),
+                ("decode", self.num_decode, self.options.decode_gpu),
+            ):
+                for i in range(count):
+                    name = role if count == 1 else f"{role}{i}"
+                    proc = ManagedProcess(
+                        name, self._serve_argv(role, 0, 0), logs / f"{self.stem}_{name}.log", self._gpu_env(gpu)
+                    )
+                    self.procs.append(proc)
+                    started[role].append(proc)
+            self.prefill_urls = [self._url(proc) for proc in started["prefill"]]
+            self.decode_urls = [self._url(proc) for proc in started["decode"]]
+            self.prefill_url, self.decode_url = self.prefill_urls[0], self.decode_urls[0]
+            procs, urls = started["prefill"] + started["decode"], self.prefill_urls + self.decode_urls
+            for proc, url in zip(procs, urls, strict=True):
+                proc.wait_healthy(url + "/health", self.startup_timeout_s)
             router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", self.mode]
-            router_argv += ["--port", "0", "--prefill", self.prefill_url, "--decode", self.decode_url]
+            router_argv += ["--port", "0", "--prefill", *self.prefill_urls, "--decode", *self.decode_urls]
             router_argv += self._auth_flags()
             router_argv += list(self.router_args)
-            router = ManagedProcess("router", router_argv, logs / f"{self.mode}_router.log")
+            router = ManagedProcess("router", router_argv, logs / f"{self.stem}_router.log")
             self.procs.append(router)
             self.router_url = self._url(router)
             router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)
@@ -144,17 +157,18 @@ class Deployment:
 
     def _start_colocated(self) -> Deployment:
         try:
-            gpus = (self.options.prefill_gpu, self.options.decode_gpu)  # the devices 1P1D would use
+            # the devices the P/D deployment would use
+            gpus = [self.options.prefill_gpu] * self.num_prefill + [self.options.decode_gpu] * self.num_decode
             for i, gpu in enumerate(gpus):
                 argv = self._serve_argv("both", 0, 0)
-                log_path = self.log_dir / f"{self.mode}_instance{i}.log"
+                log_path = self.log_dir / f"{self.stem}_instance{i}.log"
                 self.procs.append(ManagedProcess(f"instance{i}", argv, log_path, self._gpu_env(gpu)))
             self.instance_urls = [self._url(proc) for proc in self.procs]
             for proc, url in zip(self.procs, self.instance_urls, strict=True):
                 proc.wait_healthy(url + "/health", self.startup_timeout_s)
             router_argv = [self.python, "-m", "pdserve.cli", "proxy", "--mode", "colocated"]
             router_argv += ["--port", "0", "--instance", *self.instance_urls, *self.router_args]
-            router = ManagedProcess("router", router_argv, self.log_dir / f"{self.mode}_router.log")
+            router = ManagedProcess("router", router_argv, self.log_dir / f"{self.stem}_router.log")
             self.procs.append(router)
             self.router_url = self._url(router)
             router.wait_healthy(self.router_url + "/health", self.startup_timeout_s)

@@ -33,6 +33,20 @@ from pdserve.bench.tokenizer import Vocab, load_vocab
 
 MODES = ("push", "pull", "colocated")
 DEFAULT_MODES = ("push", "pull")
+ROUTINGS = ("least-loaded", "round-robin", "kv-aware")  # `pdserve proxy --routing` values
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One deployment the sweep compares: a mode, and the router's --routing when the sweep compares routings."""
+
+    mode: str  # push | pull | colocated
+    routing: str | None = None  # None: the router's default (or what --router-arg says)
+
+    @property
+    def label(self) -> str:
+        """What results and file names call it: the mode, or mode-routing (`pull-kv-aware`)."""
+        return self.mode if self.routing is None else f"{self.mode}-{self.routing}"
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,16 @@ class Endpoints:
     prefill_url: str | None = None  # for /timeline; None when unknown (attached without it)
     decode_url: str | None = None
     instance_urls: tuple[str, ...] = ()  # colocated: the instances behind the router (their /timeline)
+    more_prefill_urls: tuple[str, ...] = ()  # prefill instances after the first (their /timeline too)
+    more_decode_urls: tuple[str, ...] = ()  # decode instances after the first
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return ([self.prefill_url] if self.prefill_url else []) + list(self.more_prefill_urls)
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return ([self.decode_url] if self.decode_url else []) + list(self.more_decode_urls)
 
 
 @dataclass(frozen=True)
@@ -74,6 +98,9 @@ class SweepConfig:
     goodput_threshold: float = 0.9  # SLO attainment (fraction) a rate must reach to count as sustained
     router_args: tuple[str, ...] = ()  # extra `pdserve proxy` flags for the routers of the pull/push modes
     dataset_args: tuple[str, ...] = ()  # `pdserve bench` dataset flags (workload.bench_argv); () = random
+    routings: tuple[str, ...] = ()  # compare these `pdserve proxy --routing` values per mode; () = one arm per mode
+    num_prefill: int = 1  # prefill instances of each started P/D deployment
+    num_decode: int = 1  # decode instances (colocated: num_prefill + num_decode instances)
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -81,6 +108,13 @@ class SweepConfig:
                 raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
         if self.server is None and any(m not in self.attach for m in self.modes):
             raise ValueError("a model is needed to start the modes that are not attached")
+        for routing in self.routings:
+            if routing not in ROUTINGS:
+                raise ValueError(f"routing {routing!r} is not one of {', '.join(ROUTINGS)}")
+        if self.routings and self.attach:
+            raise ValueError("--routings compares deployments the sweep starts; it cannot be combined with --attach")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("num_prefill and num_decode must be >= 1")
         if self.iterations < 1 or self.num_prompts < 1:
             raise ValueError("iterations and num_prompts must be >= 1")
         parse_goodput(self.goodput)  # raises ValueError on a malformed SLO
@@ -88,6 +122,10 @@ class SweepConfig:
             raise ValueError("the max-goodput search needs SLOs: --goodput ttft:MS tpot:MS")
         if not 0 < self.goodput_threshold <= 1:
             raise ValueError(f"goodput threshold must be in (0, 1], got {self.goodput_threshold}")
+
+    def arms(self) -> list[Arm]:
+        """The deployments compared, in run order: every mode, times every routing when routings are given."""
+        return [Arm(mode, routing) for mode in self.modes for routing in (self.routings or (None,))]
 
     def points(self) -> list[tuple[float, int, int, int]]:
         """(qps, input_len, output_len, iteration) in run order (rates ascending when searching)."""
@@ -160,43 +198,61 @@ class Sweep:
     def run(self) -> list[Path]:
         self.cfg.results_dir.mkdir(parents=True, exist_ok=True)
         self.vocab()  # fail before starting any server
-        groups = [self.cfg.modes] if self.cfg.interleave else [(mode,) for mode in self.cfg.modes]
-        for modes in groups:
+        arms = self.cfg.arms()
+        groups = [arms] if self.cfg.interleave else [[arm] for arm in arms]
+        for group in groups:
             with ExitStack() as stack:
-                ends = {mode: self._bring_up(mode, stack) for mode in modes}
-                for mode in modes:
-                    self._warm_up(mode, ends[mode][0])
+                ends = {arm: self._bring_up(arm, stack) for arm in group}
+                for arm in group:
+                    self._warm_up(arm.label, ends[arm][0])
                 for index, point in enumerate(self.cfg.points()):
-                    for mode in modes:
-                        self._run_point(mode, *ends[mode], index, point)
-                for mode in modes:
-                    self._save_timeline(mode, ends[mode][0])
-            for mode in modes:
-                if mode not in self.cfg.attach:
-                    self.log(f"[{mode}] stopped")
+                    for arm in group:
+                        self._run_point(arm, *ends[arm], index, point)
+                for arm in group:
+                    self._save_timeline(arm, ends[arm][0])
+            for arm in group:
+                if arm.mode not in self.cfg.attach:
+                    self.log(f"[{arm.label}] stopped")
         return self.written
 
-    def _bring_up(self, mode: str, stack: ExitStack) -> tuple[Endpoints, Deployment | None]:
-        """The mode's endpoints: attached, or a deployment started now and stopped when `stack` closes."""
-        if mode in self.cfg.attach:
-            self.log(f"[{mode}] attached to {self.cfg.attach[mode].router_url}")
-            return self.cfg.attach[mode], None
-        assert self.cfg.server is not None
-        parts = "two --kv-role both instances" if mode == "colocated" else "prefill + decode"
-        self.log(f"[{mode}] starting {parts} + router ({self.cfg.server.model})")
+    def _bring_up(self, arm: Arm, stack: ExitStack) -> tuple[Endpoints, Deployment | None]:
+        """The arm's endpoints: attached, or a deployment started now and stopped when `stack` closes."""
+        mode, label, cfg = arm.mode, arm.label, self.cfg
+        if mode in cfg.attach:
+            self.log(f"[{label}] attached to {cfg.attach[mode].router_url}")
+            return cfg.attach[mode], None
+        assert cfg.server is not None
+        num_p, num_d = cfg.num_prefill, cfg.num_decode
+        parts = (
+            f"{num_p + num_d} --kv-role both instances" if mode == "colocated" else f"{num_p} prefill + {num_d} decode"
+        )
+        self.log(f"[{label}] starting {parts} + router ({cfg.server.model})")
         start = time.monotonic()
+        router_args = () if mode == "colocated" else cfg.router_args
+        if arm.routing is not None:
+            router_args = (*router_args, "--routing", arm.routing)
         deployment = Deployment(
-            self.cfg.server,
+            cfg.server,
             mode,
-            self.cfg.results_dir / "servers",
-            startup_timeout_s=self.cfg.startup_timeout_s,
-            router_args=() if mode == "colocated" else self.cfg.router_args,
+            cfg.results_dir / "servers",
+            startup_timeout_s=cfg.startup_timeout_s,
+            router_args=router_args,
+            num_prefill=num_p,
+            num_decode=num_d,
+            label=label,
         )
         stack.enter_context(deployment)
-        self.log(f"[{mode}] healthy after {time.monotonic() - start:.1f} s: router {deployment.router_url}")
+        self.log(f"[{label}] healthy after {time.monotonic() - start:.1f} s: router {deployment.router_url}")
         if mode == "colocated":  # no prefill/decode pair: no P/D timeline
             return Endpoints(deployment.router_url, instance_urls=tuple(deployment.instance_urls)), deployment
-        return Endpoints(deployment.router_url, deployment.prefill_url, deployment.decode_url), deployment
+        ends = Endpoints(
+            deployment.router_url,
+            deployment.prefill_url,
+            deployment.decode_url,
+            more_prefill_urls=tuple(deployment.prefill_urls[1:]),
+            more_decode_urls=tuple(deployment.decode_urls[1:]),
+        )
+        return ends, deployment
 
     def _warm_up(self, mode: str, ends: Endpoints) -> None:
         cfg = self.cfg
@@ -217,8 +273,9 @@ class Sweep:
                 return True
         return False
 
-    def _run_point(self, mode: str, ends: Endpoints, deployment: Deployment | None, index: int, point: tuple) -> None:
+    def _run_point(self, arm: Arm, ends: Endpoints, deployment: Deployment | None, index: int, point: tuple) -> None:
         cfg = self.cfg
+        mode = arm.label  # results, files and the goodput search name the arm; phases need the transfer mode
         if cfg.find_max_goodput and self.is_past_max(mode, point):
             return
         for proc in deployment.procs if deployment else ():
@@ -233,7 +290,9 @@ class Sweep:
             result = asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda s: print(s, file=log_file)))
         qps, _, _, iteration = point
         result.update(mode=mode, qps=format_qps(qps), iteration=iteration)
-        result.update(self._phases(mode, ends, result))
+        if arm.routing is not None:
+            result.update(transfer_mode=arm.mode, routing=arm.routing)
+        result.update(self._phases(arm.mode, ends, result))
         path = cfg.results_dir / f"{stem}.json"
         path.write_text(json.dumps(result, indent=1))
         self.written.append(path)
@@ -256,7 +315,7 @@ class Sweep:
         if mode == "colocated":
             sources = [list(ends.instance_urls), []]
         else:
-            sources = [[ends.prefill_url] if ends.prefill_url else [], [ends.decode_url] if ends.decode_url else []]
+            sources = [ends.prefill_urls, ends.decode_urls]
         if not sources[0] or mode not in PHASES:
             return {}
         try:
@@ -266,15 +325,17 @@ class Sweep:
             return {}
         return phase_medians(mode, result, entries[0], entries[1])
 
-    def _save_timeline(self, mode: str, ends: Endpoints) -> None:
+    def _save_timeline(self, arm: Arm, ends: Endpoints) -> None:
         if not self.cfg.save_timeline or not (ends.prefill_url or ends.decode_url):
             return
-        path = self.cfg.results_dir / f"timeline_{mode}.json"
+        path = self.cfg.results_dir / f"timeline_{arm.label}.json"
         try:
-            save(path, mode, *(fetch(url) if url else [] for url in (ends.prefill_url, ends.decode_url)))
-            self.log(f"[{mode}] timeline written to {path}")
+            p_entries = [e for url in ends.prefill_urls for e in fetch(url)]
+            d_entries = [e for url in ends.decode_urls for e in fetch(url)]
+            save(path, arm.mode, p_entries, d_entries)
+            self.log(f"[{arm.label}] timeline written to {path}")
         except OSError as e:
-            self.log(f"[{mode}] no timeline: {e}")
+            self.log(f"[{arm.label}] no timeline: {e}")
 
 
 def pooled_attainment(runs: Sequence[tuple[float, int]]) -> float:
