@@ -7,10 +7,13 @@ perf_counter). The phases of a mode follow one another, so their medians add up 
 change that moves time from one phase into another shows as such, not only as a new total.
 
 - push: router -> P, P queue, prefill (to P's first token), hand-over (P's first token -> WRITE posted),
-  transfer (WRITE posted -> KV landed on D), KV landed -> D scheduled, D's first step, D -> client.
+  transfer (WRITE posted -> KV landed on D), KV landed -> D's first token, D -> client.
 - pull: router -> P, P queue, prefill, relay (P's first token -> D's leg arrives: P's answer, the router,
-  D's parsing), D arrival -> READ posted, transfer (READ posted -> KV landed), KV landed -> D scheduled, D's
-  first step, D -> client.
+  D's parsing), D arrival -> READ posted, transfer (READ posted -> KV landed), KV landed -> D's first token,
+  D -> client.
+"KV->D token" is the engine loop noticing the landed KV and emitting the first token P handed over with it
+(docs/architecture.md, "The engine"); where D computes the last prompt token itself (a prefill instance that
+hands no token over, such as vLLM's), it also holds D's wait to be scheduled and its first step.
 - colocated: router -> instance, queue, prefill (to its first token), instance -> client.
 """
 
@@ -32,8 +35,7 @@ PHASES: dict[str, tuple[Phase, ...]] = {
         ("prefill", ("P", "prefill_start"), ("P", "first_token")),
         ("hand-over", ("P", "first_token"), ("P", "transfer_posted")),
         ("transfer", ("P", "transfer_posted"), ("D", "kv_received")),
-        ("KV->D sched", ("D", "kv_received"), ("D", "scheduled")),
-        ("D 1st step", ("D", "scheduled"), ("D", "first_token")),
+        ("KV->D token", ("D", "kv_received"), ("D", "first_token")),
         ("D->client", ("D", "first_token"), ("C", "first_token")),
     ),
     "pull": (
@@ -43,8 +45,7 @@ PHASES: dict[str, tuple[Phase, ...]] = {
         ("relay", ("P", "first_token"), ("D", "arrival")),
         ("D->READ", ("D", "arrival"), ("D", "transfer_posted")),
         ("transfer", ("D", "transfer_posted"), ("D", "kv_received")),
-        ("KV->D sched", ("D", "kv_received"), ("D", "scheduled")),
-        ("D 1st step", ("D", "scheduled"), ("D", "first_token")),
+        ("KV->D token", ("D", "kv_received"), ("D", "first_token")),
         ("D->client", ("D", "first_token"), ("C", "first_token")),
     ),
     "colocated": (

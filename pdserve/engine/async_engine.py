@@ -126,7 +126,7 @@ class AsyncEngine:
         if not self.is_ready or self._engine is None:
             raise RuntimeError(self._error or "engine is not ready")
         try:
-            self._engine.validate(list(command.prompt_token_ids), command.params)  # reads only fixed limits
+            self._engine.validate(list(command.prompt_token_ids), command.params, command.kv_transfer_params)
         except ValueError:
             self._refused(command)
             raise
@@ -188,7 +188,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_inbox(engine)
                 if engine.has_work() or engine.has_transfers():
-                    self._dispatch(engine.step())
+                    self._dispatch(engine.step(emit=self._dispatch))  # D's first tokens before the forward pass
                 idle = not engine.has_work() and not self._inbox
                 if idle or time.monotonic() - self._stats_at >= STATS_EVERY_S:
                     self._publish_stats(engine)

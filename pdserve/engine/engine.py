@@ -16,6 +16,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.client import EngineStats
 from pdserve.engine.kv_cache import kv_cache_spec
+from pdserve.engine.kv_landed import take_landed
 from pdserve.engine.outputs import RequestOutput, take_output
 from pdserve.engine.released_pins import ReleasedPins
 from pdserve.engine.request import Request
@@ -84,8 +85,10 @@ class LLMEngine:
         self._released = ReleasedPins()  # P: pins given up by abort()/release() (a repeat answers found)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, kv: KVTransferParams | None = None) -> None:
         """Raise ValueError with a user-facing message for input the engine cannot serve."""
+        if isinstance(kv, PullSource) and kv.first_token_id is not None and kv.first_token_id >= self.vocab_size:
+            raise ValueError(f"kv_transfer_params.first_token_id is outside the vocabulary [0, {self.vocab_size})")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty")
@@ -106,7 +109,7 @@ class LLMEngine:
         client_request_id: str | None = None,
     ) -> None:
         """Raises ValueError (KVParamsError for params the connector cannot serve) before anything is queued."""
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, kv_transfer_params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, kv_transfer_params)
@@ -167,9 +170,14 @@ class LLMEngine:
         return bool(s.waiting_for_kv or s.pinned or s.aborting)
 
     # ---- the step -----------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """One step; returns its outputs. emit: takes those ready before the forward pass (KV landed with D's first
+        token, failed recvs), so they reach their clients without waiting for it; else they are returned too."""
         self.num_steps += 1
         outputs = self._apply_transfer_results()
+        if emit is not None and outputs:
+            emit(outputs)
+            outputs = []
         batch = self.scheduler.schedule()
         outputs += [self._finish(req, "length") for req in batch.out_of_blocks]
         self._submit_transfers()  # D: registrations/reads for requests parked just now
@@ -218,9 +226,9 @@ class LLMEngine:
             return []
         for rid, event, t in res.events:
             self._timelines.record(rid, event, t)
-        outputs = []
-        for rid in res.finished_recvs:
-            self.scheduler.on_kv_received(rid, res.landed_from.get(rid, ()))
+        firsts = take_landed(self.scheduler, res, self.vocab_size)  # D: KV landed, some with their first token
+        stopped = [r for r in firsts if r.finish_reason is not None]
+        outputs = self._postprocess({r.request_id: r.output_token_ids[-1] for r in firsts}, stopped)
         recompute = self.config.transfer.load_failure_policy == "recompute"
         refused = set(res.refused_recvs)  # the producer holds no KV under these coordinates: the request's error
         for rid, reason in res.failed_recvs:

@@ -44,7 +44,11 @@ class Request:
     cache_blocks: bool = True
     block_hashes: list[bytes] = field(default_factory=list)  # chained digest of each full block, computed lazily
     needs_remote_kv: bool = False  # D: prompt KV comes from a remote prefill
-    remote_kv_ready: bool = False  # D: that KV has landed; compute only the last prompt token
+    remote_kv_ready: bool = False  # D: that KV has landed; compute only the last prompt token (or, with the
+    # prefill's first token, none: the first output token was appended when the KV landed)
+    # D: the prefill hands this request's first output token over with the KV of its whole prompt
+    # (kv.params.hands_first_token), decided when its blocks are allocated
+    first_token_from_prefill: bool = False
     pin_released: bool = False  # P: finished and pinned, and the engine gave the pin up (abort, release)
     # left the waiting queue once (scheduled to compute, or D parked for remote KV): from then on it is no longer
     # queued, and --max-queue-wait-s does not apply (it runs to its end or its own deadline)
@@ -80,6 +84,18 @@ class Request:
         if end <= n:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def append_output(self, token_id: int, max_model_len: int) -> bool:
+        """Append one output token (sampled here, or D's first from its prefill instance); True when it meets a stop
+        condition, finish_reason then set: "stop" for EOS (unless ignore_eos) or a stop token id, "length" for
+        max_tokens or max_model_len. Stop strings are the detokenizer's (engine.py)."""
+        self.output_token_ids.append(token_id)
+        p = self.params
+        if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
 
     @property
     def is_finished(self) -> bool:

@@ -3,7 +3,8 @@
 Every step each scheduled request's num_computed_tokens catches up with its token count, within the step's
 token budget (chunked prefill); decodes and prefill chunks share one batch. When blocks run out the newest
 running request is preempted by recompute. P/D adds one status, WAITING_FOR_REMOTE_KV: a decode-side request
-holds its blocks there until its KV has landed, then computes only its last prompt token.
+holds its blocks there until its KV has landed; then it has its first output token from the prefill (appended
+at once) or computes only its last prompt token.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.kv.groups import STALE, KVGroups
-from pdserve.kv.params import PullSource, PushSource
+from pdserve.kv.params import PullSource, PushSource, hands_first_token
 from pdserve.transfer.base import ConnectorScheduler
 
 
@@ -81,7 +82,7 @@ class Scheduler:
         if reason in ("stop", "length"):
             keep = self.connector.on_request_finished(
                 req.request_id, list(req.block_ids), req.num_computed_tokens, req.kv_transfer_params,
-                token_ids=req.token_slice(0, req.num_computed_tokens), block_tables=self.tables.for_transfer(req),
+                token_ids=req.token_slice(0, req.num_tokens), block_tables=self.tables.for_transfer(req),
             )  # fmt: skip
         else:  # abort or error: nothing to hand over (push: P refuses D's registration at once)
             self.connector.on_request_aborted(req.request_id)
@@ -129,20 +130,29 @@ class Scheduler:
         return req
 
     # ---- transfer results ---------------------------------------------------------------------------------
-    def on_kv_received(self, request_id: str, landed_from: Sequence[int] = ()) -> None:
-        """The KV landed; landed_from: per KV group, the first token it holds (TransferResults.landed_from)."""
+    def on_kv_received(
+        self, request_id: str, landed_from: Sequence[int] = (), first_token: int | None = None
+    ) -> Request | None:
+        """The KV landed; landed_from: per KV group, the first token it holds (TransferResults.landed_from);
+        first_token: the prefill's first output token, given for a request that takes it (first_token_from_prefill:
+        its KV covers the whole prompt). That token is appended as a sampled one is (stop conditions included) and
+        the request returned, for the engine to emit it before the next step; None when there is none."""
         if (req := self.aborting.pop(request_id, None)) is not None:
             self.tables.free(req)
-            return
+            return None
         req = self.waiting_for_kv.pop(request_id)
         req.remote_kv_ready = True
         req.kv_valid_from = list(landed_from)
         req.cache_blocks = self.cache_received_kv
-        req.num_cached_tokens = req.num_prompt_tokens - 1
-        req.num_computed_tokens = req.num_prompt_tokens - 1
+        req.num_cached_tokens = req.num_computed_tokens = req.num_prompt_tokens - (0 if first_token is not None else 1)
         req.status = RequestStatus.WAITING
         req.mark("kv_received")
         self.waiting.appendleft(req)
+        if first_token is None:
+            return None
+        self.prefix_cache.cache_full_blocks(req)  # as a step would (one that stops at this token never steps)
+        req.append_output(first_token, self.max_model_len)
+        return req
 
     def on_kv_failed(self, request_id: str, recompute: bool) -> Request | None:
         """KV will not arrive (blocks are safe to reuse). Recompute locally, or return the request to fail."""
@@ -223,15 +233,7 @@ class Scheduler:
             self.prefix_cache.cache_full_blocks(req)
             self.tables.free_out_of_window(req)
             token = sampled.get(chunk.request_id)
-            if token is None:
-                continue
-            req.output_token_ids.append(token)
-            p = req.params
-            if (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                req.finish_reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                req.finish_reason = "length"
-            if req.finish_reason is not None:
+            if token is not None and req.append_output(token, self.max_model_len):
                 stopped.append(req)
         return stopped
 
@@ -276,23 +278,25 @@ class Scheduler:
 
     def _park_for_remote_kv(self, req: Request) -> bool:
         """D: allocate blocks for the whole prompt (prefix hits first) and wait for the rest to be written."""
+        source = req.kv_transfer_params
+        if not isinstance(source, PullSource | PushSource):
+            raise RuntimeError(f"request {req.request_id} waits for remote KV without a source in its params")
         self.prefix_cache.take_hits(req)
-        # a windowed group needs only the window before the last prompt token (D computes that token itself)
-        for g, table in enumerate(req.block_tables):
-            first = self.kv_groups.first_live_block(g, req.num_prompt_tokens - 1, self.block_size)
+        # the prefill's first output token comes with KV of the whole prompt, or D computes the last prompt token
+        req.first_token_from_prefill = hands_first_token(source, req.num_prompt_tokens)
+        first_computed = req.num_prompt_tokens - (0 if req.first_token_from_prefill else 1)  # D's first position
+        for g, table in enumerate(req.block_tables):  # a windowed group needs only the window before it
+            first = self.kv_groups.first_live_block(g, first_computed, self.block_size)
             table.extend([STALE] * (first - len(table)))
         if not self.tables.allocate_to(req, req.num_prompt_tokens):
             self.tables.free(req)
             return False
-        source = req.kv_transfer_params
-        if not isinstance(source, PullSource | PushSource):
-            raise RuntimeError(f"request {req.request_id} waits for remote KV without a source in its params")
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         req.has_started = True
         self.waiting_for_kv[req.request_id] = req
         self.connector.on_blocks_allocated(
             req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens, source,
-            block_tables=self.tables.for_transfer(req),
+            block_tables=self.tables.for_transfer(req), with_last_token=req.first_token_from_prefill,
         )  # fmt: skip
         return True

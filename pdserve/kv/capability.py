@@ -3,8 +3,10 @@
 Who issues, who checks, over what (auth.Signer, HMAC-SHA256 with the deployment secret):
   pull  P signs its answer (PullSource) when the request finishes, purpose "pull", over
         [engine id, side-channel host, port, request id, block ids, num tokens, block size, tp size,
-         expires_at, prompt digest] where the digest is auth.prompt_digest of the tokens [0, num tokens) whose
-        KV P computed; it expires with P's lease (after it the blocks may hold another request's KV).
+         expires_at, prompt digest, block tables, first token id] where the digest is auth.prompt_digest of the
+        tokens [0, num tokens) whose KV P computed; it expires with P's lease (after it the blocks may hold
+        another request's KV). The first token is D's first output token (D emits it without computing it), so
+        it is P's as much as the KV is: a client cannot alter it.
         D checks it at its HTTP edge, and that the digest equals the digest of its own prompt's first
         num_tokens tokens: KV that enters D (and its prefix cache) is P's KV of exactly these tokens.
   push  the router signs, purpose "push", over [transfer id, P's engine id, P's side-channel host, port,
@@ -37,7 +39,7 @@ def pull_fields(src: PullSource, expires_at: float, digest: str | None) -> list[
     """What a pull capability's MAC covers (the order is the format: change it and bump nothing else)."""
     return [
         src.engine_id, src.host, src.port, src.request_id, list(src.block_ids), src.num_tokens, src.block_size,
-        src.tp_size, expires_at, digest, [list(t) for t in src.block_tables],
+        src.tp_size, expires_at, digest, [list(t) for t in src.block_tables], src.first_token_id,
     ]  # fmt: skip
 
 

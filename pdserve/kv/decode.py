@@ -18,6 +18,7 @@ from pdserve.kv.params import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     ERROR,
+    FIRST_TOKEN_ID,
     REMOTE_BLOCK_IDS,
     REMOTE_BLOCK_SIZE,
     REMOTE_BLOCK_TABLES,
@@ -48,6 +49,7 @@ MAX_REQUEST_ID_LEN = 1024
 MAX_BLOCKS = 1 << 20  # entries in remote_block_ids
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_TOKENS = (1 << 31) - 1
+MAX_TOKEN_ID = (1 << 31) - 1  # first_token_id (D's engine checks it against its vocabulary)
 MAX_BLOCK_SIZE = 1 << 16
 MAX_TP_SIZE = 1024
 MAX_MAC_LEN = 128  # hex characters of a capability's MAC or prompt digest
@@ -117,6 +119,7 @@ def _pull_source(raw: dict[str, Any]) -> PullSource:
         _opt_int(raw, TP_SIZE, 1, MAX_TP_SIZE) or 1,
         _capability(raw),
         _block_tables(raw),
+        _opt_int(raw, FIRST_TOKEN_ID, 0, MAX_TOKEN_ID),
     )
     tables = src.block_tables or (src.block_ids,)
     if src.block_size is not None and min(len(t) for t in tables) * src.block_size < src.num_tokens:

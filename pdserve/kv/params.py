@@ -42,6 +42,7 @@ TRANSFER_MODE = "transfer_mode"  # "pull" | "push"
 ERROR = "error"  # P's answer when it cannot hand the KV over
 DECODE_MAX_TOKENS = "decode_max_tokens"  # P (pdserve's router): the client's max_tokens for the decode leg
 CAPABILITY = "kv_capability"  # pdserve's: {"expires_at", "mac", "prompt_digest"} (kv/capability.py)
+FIRST_TOKEN_ID = "first_token_id"  # pull (pdserve's): the token P sampled after its remote_num_tokens tokens
 
 
 class Mode(enum.Enum):
@@ -100,6 +101,9 @@ class PullSource:
     # windowed model: P's table per KV group (-1: STALE, freed); block_ids then holds every group's live blocks
     # (the pin's identity, named by D's release). (): one group, block_ids
     block_tables: tuple[tuple[int, ...], ...] = ()
+    # the token P sampled after its num_tokens tokens: D's first output token when D's prompt is exactly those
+    # tokens (hands_first_token). None: not said (a vLLM prefill instance): D computes its last prompt token
+    first_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,17 @@ class Refusal:
 
 KVTransferParams = RemoteDecode | PullSource | PushSource  # what a request carries
 KVAnswer = PullSource | PushAnswer | Refusal  # what a finished P request answers
+
+
+def hands_first_token(source: PullSource | PushSource, num_prompt_tokens: int) -> bool:
+    """D: whether the prefill hands this request's first output token over with the KV of its whole prompt, so
+    that D computes no prompt token and emits that token as soon as the KV landed (docs/architecture.md, "The
+    engine"). Push: always (P sends it in the WRITE's PushDone when D's registration ends where P's KV ends; a
+    recv that lands without it fails). Pull: when P's answer names it for exactly this prompt's tokens; a vLLM
+    prefill instance's answer does not, and D then computes the last prompt token itself."""
+    if isinstance(source, PushSource):
+        return True
+    return source.first_token_id is not None and source.num_tokens == num_prompt_tokens
 
 
 def _encode_capability(cap: Capability | None) -> dict[str, Any] | None:
@@ -170,6 +185,7 @@ def encode(value: KVTransferParams | KVAnswer) -> dict[str, Any]:
             TRANSFER_MODE: Mode.PULL.value,
             CAPABILITY: _encode_capability(value.capability),
             REMOTE_BLOCK_TABLES: [list(t) for t in value.block_tables] or None,
+            FIRST_TOKEN_ID: value.first_token_id,
         }
         return {k: v for k, v in out.items() if v is not None}
     if isinstance(value, PushSource):

@@ -80,6 +80,9 @@ class SendTask:
     # windowed models: every KV group's table (STALE entries before a windowed group's window); block_ids is
     # then group 0's. (): one group, block_ids
     block_tables: tuple[tuple[int, ...], ...] = ()
+    # the token the prefill sampled after its num_tokens tokens (push: sent in the PushDone of a registration
+    # ending at num_tokens, D's first output token); None: none sampled
+    first_token_id: int | None = None
 
     @property
     def tables(self) -> tuple[tuple[int, ...], ...]:
@@ -139,6 +142,9 @@ class TransferResults:
     # rows from there on (rows before it in a windowed group's first block were never received: that block is
     # not registered in D's prefix cache). Absent: from the recv's start_token on
     landed_from: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # per finished recv whose KV ends where the prefill's does: the token the prefill sampled after it (pull: P's
+    # answer's first_token_id; push: the PushDone's), D's first output token (kv.params.hands_first_token)
+    first_tokens: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(
@@ -183,11 +189,14 @@ class ConnectorScheduler(ABC):
         num_prompt_tokens: int,
         source: PullSource | PushSource,
         block_tables: Sequence[Sequence[int]] = (),
+        with_last_token: bool = False,
     ) -> None:
         """D: blocks for the whole prompt are allocated; tokens [0, num_local_tokens) hit D's prefix cache;
-        source is the request's params for which needs_remote_kv() returned True. block_tables: for a windowed
-        model, every KV group's table (block_ids is group 0's; a windowed group holds only the blocks of the
-        window before the last prompt token, STALE before them); () otherwise."""
+        source is the request's params for which needs_remote_kv() returned True. The recv covers the rest of the
+        prompt when with_last_token (the prefill hands the first output token over: kv.params.hands_first_token),
+        else all of it but the last token, which D computes itself. block_tables: for a windowed model, every KV
+        group's table (block_ids is group 0's; a windowed group holds only the blocks of the window before the
+        first token D computes, STALE before them); () otherwise."""
 
     @abstractmethod
     def on_request_finished(
@@ -200,7 +209,8 @@ class ConnectorScheduler(ABC):
         block_tables: Sequence[Sequence[int]] = (),
     ) -> bool:
         """A request finished. Returns True to keep its blocks pinned until a finished send. token_ids: the
-        request's tokens (prompt, then output); the first num_tokens are the ones whose KV the blocks hold.
+        request's tokens (prompt, then output); the first num_tokens are the ones whose KV the blocks hold, the
+        one after them (when there is one) the token sampled last, which a decode instance emits as its first.
         block_tables: as in on_blocks_allocated (a windowed group keeps the window before token num_tokens - 1)."""
 
     @abstractmethod

@@ -31,6 +31,7 @@ class NopScheduler(ConnectorScheduler):
         num_prompt_tokens: int,
         source: PullSource | PushSource,
         block_tables: Sequence[Sequence[int]] = (),
+        with_last_token: bool = False,
     ) -> None:
         raise RuntimeError("a colocated instance never waits for remote KV")
 

@@ -24,7 +24,9 @@ from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults,
 # 4: TransferStats.checksum_failures (--kv-checksum) (2026-12-03).
 # 5: StepMeta.refusals (D: coordinates of requests refused before admission, for their producer) (2026-12-03).
 # 6: TransferResults.refused_recvs (recvs whose producer holds no KV under their coordinates) (2026-12-03).
-RANKS_VERSION = 6
+# 7: SendTask.first_token_id (push: every P rank's PushDone carries it) and TransferResults.first_tokens (D's
+#    first output token, handed over with the KV) (2026-12-03).
+RANKS_VERSION = 7
 
 
 class RanksError(ValueError):
@@ -34,8 +36,8 @@ class RanksError(ValueError):
 def encode_meta(meta: StepMeta) -> bytes:
     recvs = [[r.request_id, list(r.block_ids), r.start_token, r.num_tokens, encode_params(r.source), r.attempt,
               [list(t) for t in r.block_tables]] for r in meta.recvs]  # fmt: skip
-    sends = [[s.request_id, list(s.block_ids), s.num_tokens, s.transfer_id, [list(t) for t in s.block_tables]]
-             for s in meta.sends]  # fmt: skip
+    sends = [[s.request_id, list(s.block_ids), s.num_tokens, s.transfer_id, [list(t) for t in s.block_tables],
+              s.first_token_id] for s in meta.sends]  # fmt: skip
     return msgpack.packb(
         {"v": RANKS_VERSION, "recvs": recvs, "sends": sends, "cancels": meta.cancels,
          "expected": [list(e) for e in meta.expected], "abandoned": meta.abandoned, "releases": meta.releases,
@@ -51,7 +53,8 @@ def decode_meta(data: bytes) -> StepMeta:
         if not isinstance(src, PullSource | PushSource):
             raise RanksError(f"recv {rid}: its source is not a prefill's coordinates")
         recvs.append(RecvTask(rid, tuple(blocks), start, num, src, attempt, _tables(tables)))
-    sends = [SendTask(rid, tuple(blocks), num, tid, _tables(tables)) for rid, blocks, num, tid, tables in m["sends"]]
+    sends = [SendTask(rid, tuple(blocks), num, tid, _tables(tables), first)
+             for rid, blocks, num, tid, tables, first in m["sends"]]  # fmt: skip
     refusals: list[PullSource | PushSource] = []
     for raw in m["refusals"]:
         src = decode_params(raw)
@@ -72,6 +75,7 @@ def encode_results(res: TransferResults, stats: TransferStats) -> bytes:
          "refused_recvs": res.refused_recvs, "cancelled_recvs": res.cancelled_recvs,
          "finished_sends": res.finished_sends, "events": res.events,
          "landed_from": [[rid, list(firsts)] for rid, firsts in res.landed_from.items()],
+         "first_tokens": list(res.first_tokens.items()),
          "stats": [stats.sent_bytes, stats.received_bytes, stats.transfers_ok, stats.transfers_failed,
                    stats.transfers_expired, stats.transfer_seconds, stats.posts, stats.checksum_failures]},
     )  # fmt: skip
@@ -87,6 +91,7 @@ def decode_results(data: bytes) -> tuple[TransferResults, TransferStats]:
         finished_sends=list(m["finished_sends"]),
         events=[(a, b, c) for a, b, c in m["events"]],
         landed_from={rid: tuple(firsts) for rid, firsts in m["landed_from"]},
+        first_tokens={rid: token for rid, token in m["first_tokens"]},
     )
     s = m["stats"]
     stats = TransferStats(s[0], s[1], s[2], s[3], s[4], list(s[5]), [(a, b) for a, b in s[6]], s[7])
@@ -113,6 +118,9 @@ class _Recv:
     engine_cancelled: bool = False  # the engine aborted it (reported as cancelled)
     cancels_sent: bool = False  # the other ranks were asked to cancel after a failure
     landed_from: tuple[int, ...] = ()  # per KV group, the latest first token landed any rank reported
+    # the prefill's first output token, as the ranks reported it (they agree: every P rank's SendTask and every
+    # D rank's PullSource carry rank 0's); None while no rank reported one
+    first_token: int | None = None
 
 
 class RankMerger:
@@ -137,7 +145,7 @@ class RankMerger:
     def add(self, rank: int, res: TransferResults) -> None:
         self._out.events.extend(res.events)
         for rid in res.finished_recvs:
-            self._recv_end(rank, rid, "finished", "", res.landed_from.get(rid, ()))
+            self._recv_end(rank, rid, "finished", "", res.landed_from.get(rid, ()), res.first_tokens.get(rid))
         refused = set(res.refused_recvs)
         for rid, reason in res.failed_recvs:
             self._recv_end(rank, rid, "failed", reason, refused=rid in refused)
@@ -151,12 +159,15 @@ class RankMerger:
                 self._out.finished_sends.append(rid)
 
     def _recv_end(
-        self, rank: int, rid: str, end: str, reason: str, landed_from: tuple[int, ...] = (), refused: bool = False
-    ) -> None:
+        self, rank: int, rid: str, end: str, reason: str, landed_from: tuple[int, ...] = (),
+        first_token: int | None = None, refused: bool = False,
+    ) -> None:  # fmt: skip
         rv = self._recvs.get(rid)
         if rv is None:
             return  # not a recv this instance started (never: every rank gets the same StepMeta)
         rv.ends[rank] = end
+        if first_token is not None:
+            rv.first_token = first_token
         if landed_from:  # every rank's P peers share one block size, so the ranks agree; keep the latest anyway
             mine = rv.landed_from or landed_from
             rv.landed_from = tuple(max(a, b) for a, b in zip(mine, landed_from, strict=True))
@@ -175,6 +186,8 @@ class RankMerger:
             self._out.finished_recvs.append(rid)
             if rv.landed_from:
                 self._out.landed_from[rid] = rv.landed_from
+            if rv.first_token is not None:
+                self._out.first_tokens[rid] = rv.first_token
         else:
             self._out.failed_recvs.append((rid, rv.reason or "a tensor-parallel rank cancelled its part"))
             if rv.refused:

@@ -47,7 +47,9 @@ from pdserve.transfer.wire_notifs import (
 #     token_bytes, group_windows and group_layers (2026-12-03).
 # 11: PullReleaseAck.refused: P holds no KV under the release's coordinates (never pinned here, or released by
 #     every consumer rank already): D answers its client 400, not 500 (2026-12-03).
-WIRE_VERSION = 11
+# 12: PushDone.first_token_id: P hands D its first output token with the KV of the whole prompt; D registers
+#     tokens [prefix hit, n) instead of [prefix hit, n - 1) (2026-12-03).
+WIRE_VERSION = 12
 MAX_MESSAGE_BYTES = 16 << 20  # side-channel frames and notifications larger than this are refused
 
 

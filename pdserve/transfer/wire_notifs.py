@@ -76,6 +76,9 @@ class PushDone:
     num_producers: int  # completions D must count before the request may run
     num_bytes: int
     checksum: list[int] = field(default_factory=list)  # --kv-checksum: [s1, s2] of this rank's part; [] off
+    # the token P sampled after the prompt, when the registration's tokens end where P's KV ends: D's first
+    # output token, which D emits without computing the last prompt token; -1: none
+    first_token_id: int = -1
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ T0 = 1_700_000_000.0
 
 def _push_timeline(rid: str, shift: float = 0.0) -> RequestTimeline:
     p = {"arrival": 0.001, "prefill_start": 0.002, "first_token": 0.010, "transfer_posted": 0.012}
-    d = {"arrival": 0.0015, "kv_received": 0.014, "scheduled": 0.0145, "first_token": 0.017}
+    d = {"arrival": 0.0015, "kv_received": 0.014, "first_token": 0.0145, "scheduled": 0.015}  # token before step
     return RequestTimeline(rid, {k: T0 + shift + v for k, v in p.items()}, {k: T0 + shift + v for k, v in d.items()})
 
 
@@ -22,17 +22,18 @@ def test_push_phases_add_up_to_the_ttft() -> None:
     got = request_phases("push", _push_timeline("a"), {"sent": T0, "first_token": T0 + 0.018})
     assert list(got) == [label for label, _, _ in PHASES["push"]]
     assert got["hand-over"] == pytest.approx(0.002, abs=1e-5) and got["transfer"] == pytest.approx(0.002, abs=1e-5)
+    assert got["KV->D token"] == pytest.approx(0.0005, abs=1e-5)  # D's first step is not on the path any more
     assert sum(got.values()) == pytest.approx(0.018, abs=1e-5)
 
 
 def test_missing_or_reversed_events_drop_only_their_phase() -> None:
     tl = _push_timeline("a")
     del tl.prefill["transfer_posted"]
-    tl.decode["scheduled"] = T0 + 0.020  # after D's first token: clocks or events out of order
+    tl.decode["kv_received"] = T0 + 0.020  # after D's first token: clocks or events out of order
     got = request_phases("push", tl, {})
-    assert "hand-over" not in got and "transfer" not in got and "D 1st step" not in got
+    assert "hand-over" not in got and "transfer" not in got and "KV->D token" not in got
     assert "router->P" not in got and "D->client" not in got  # no client times given
-    assert got["prefill"] == pytest.approx(0.008, abs=1e-5) and got["KV->D sched"] == pytest.approx(0.006, abs=1e-5)
+    assert got["prefill"] == pytest.approx(0.008, abs=1e-5)
 
 
 def test_medians_join_the_bench_result_by_request_id() -> None:
@@ -45,7 +46,7 @@ def test_medians_join_the_bench_result_by_request_id() -> None:
               "itls": [[0.005, 0.004], [0.007], [0.006, 0.1], []]}  # fmt: skip
     out = phase_medians("push", result, entries_p, entries_d)
     assert out["phase_counts"]["prefill"] == 3 and out["phase_counts"]["D->client"] == 3
-    assert out["phase_medians_ms"]["D->client"] == pytest.approx(2.0, abs=1e-3)  # 1, 3, 2 ms
+    assert out["phase_medians_ms"]["D->client"] == pytest.approx(4.5, abs=1e-3)  # 3.5, 5.5, 4.5 ms
     assert out["median_first_itl_ms"] == pytest.approx(6.0, abs=1e-3) and out["p99_first_itl_ms"] == pytest.approx(
         7.0, abs=1e-3
     )

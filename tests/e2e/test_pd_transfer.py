@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import Launcher, Proc, post, scrape_metrics, wait_idle, wait_log_status
+from helpers import Launcher, Proc, joined_stream, post, scrape_metrics, stream_events, wait_idle, wait_log_status
 
 from pdserve.transfer.faults import Faults
 
@@ -146,10 +146,10 @@ def test_no_prefix_hit_on_unauthenticated_kv(cl: Cluster, mode: str) -> None:
         assert counter(p, "pdserve_kv_sent_bytes_total") - sent == got
         moved.append((num_prompt, got // BYTES_PER_TOKEN))
     (n1, moved1), (n2, moved2) = moved
-    assert moved1 == n1 - 1  # D computes the last prompt token itself
+    assert moved1 == n1  # the whole prompt: P hands its first token over, D computes no prompt token
     # no deployment secret here: D registers no received KV in its prefix cache (nothing proves it is of its
     # prompt), so everything moves again; with a secret only the suffix moves (test_secure_by_default.py)
-    assert moved2 == n2 - 1
+    assert moved2 == n2
     poster = d if mode == "pull" else p  # who posts the READ / WRITE exports its descriptor counts
     m = scrape_metrics(poster.url)
     assert m["pdserve_kv_transfer_descriptors_count"] >= 2 and m["pdserve_kv_transfer_post_seconds_count"] >= 2
@@ -453,6 +453,68 @@ def test_release_of_a_queued_prefill_answers_its_leg_499(cl: Cluster, busy_prefi
     assert answer and answer[0].status_code == 499, answer[0].text if answer else "no answer"
     assert "released" in answer[0].json()["error"]["message"]
     assert wait_log_status(p, rid) == "499"
+
+
+# ---- D's first token comes with the KV (issue 28 item 4) ------------------------------------------------------------
+def _usage(body: dict[str, Any]) -> tuple[int, int, int]:
+    u = body["usage"]
+    return u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]
+
+
+def _plain(resp: httpx.Response) -> tuple[tuple[str, list[int], str | None], Any]:
+    """(text, token ids, finish reason) and the usage of a completion or chat answer (return_token_ids on)."""
+    assert resp.status_code == 200, resp.text
+    c = resp.json()["choices"][0]
+    return (c["text"] if "text" in c else c["message"]["content"], c["token_ids"], c["finish_reason"]), _usage(
+        resp.json()
+    )
+
+
+def _streamed(url: str, path: str, body: dict[str, Any], rid: str) -> tuple[tuple[str, list[int], str | None], Any]:
+    """(text, token ids, finish reason) and the usage of a streamed answer (include_usage)."""
+    payloads = stream_events(url, path, {**body, "stream": True, "stream_options": {"include_usage": True}},
+                             {"X-Request-Id": rid})  # fmt: skip
+    return joined_stream(payloads), _usage(payloads[-1])
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_first_token_is_emitted_when_the_kv_lands(cl: Cluster, mode: str) -> None:
+    """D emits the first token P handed over with the KV before its first step on the request (D's timeline:
+    first_token before scheduled; never scheduled when the token ends it), token-exact with colocated for
+    completions and chat, streamed or not, usage included; a first token that stops the request (max_tokens=1,
+    a stop token id, a stop string) ends it at once and frees its blocks."""
+    p, d = (cl.p_pull, cl.d_pull) if mode == "pull" else (cl.p_push, cl.d_push)
+    router = cl.router(mode, p, d)
+    prompt = f"[{mode} first token] " + PROMPT
+    first = answer(completion(cl.ref.url, prompt))[1][0]
+    first_text = answer(completion(cl.ref.url, prompt, max_tokens=1))[0]
+    chat = {"messages": [{"role": "user", "content": prompt}], **GREEDY}
+    cases: list[tuple[str, dict[str, Any], bool]] = [  # (path, body, stops at the first token)
+        ("/v1/completions", {"prompt": prompt, **GREEDY}, False),
+        ("/v1/chat/completions", chat, False),
+        ("/v1/completions", {"prompt": prompt, **GREEDY, "max_tokens": 1}, True),
+        ("/v1/completions", {"prompt": prompt, **GREEDY, "stop_token_ids": [first]}, True),
+        ("/v1/chat/completions", {**chat, "max_tokens": 1}, True),
+    ]
+    if first_text.strip():
+        cases.append(("/v1/completions", {"prompt": prompt, **GREEDY, "stop": [first_text.strip()]}, True))
+    for i, (path, body, stops) in enumerate(cases):
+        for stream in (False, True):
+            rid = f"first-{mode}-{i}-{stream}-{uuid.uuid4().hex[:8]}"
+            if stream:
+                got, want = _streamed(router.url, path, body, rid), _streamed(cl.ref.url, path, body, rid + "-ref")
+            else:
+                got = _plain(post(router.url, path, body, {"X-Request-Id": rid}))
+                want = _plain(post(cl.ref.url, path, body))
+            assert got == want, (path, body, stream)
+            assert (len(got[0][1]) == 1) == stops, got
+            events = timeline(d, rid)
+            assert events["kv_received"] <= events["first_token"], events
+            if stops:
+                assert "scheduled" not in events, events  # finished on landing: D never stepped it
+            else:
+                assert events["first_token"] < events["scheduled"], events  # emitted before D's first step
+    assert_all_free(p, d)
 
 
 def test_everything_free_at_the_end(cl: Cluster) -> None:

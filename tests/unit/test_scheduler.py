@@ -25,8 +25,11 @@ class RecordingConnector(NopScheduler):
     def needs_remote_kv(self, request_id, params):
         return isinstance(params, PullSource | PushSource)
 
-    def on_blocks_allocated(self, request_id, block_ids, num_local_tokens, num_prompt_tokens, source, block_tables=()):
+    def on_blocks_allocated(
+        self, request_id, block_ids, num_local_tokens, num_prompt_tokens, source, block_tables=(), with_last_token=False
+    ):
         self.allocated.append((request_id, list(block_ids), num_local_tokens, num_prompt_tokens))
+        self.with_last_token = with_last_token
 
     def on_request_finished(self, request_id, block_ids, num_tokens, params, token_ids=(), block_tables=()):
         self.finished.append(request_id)

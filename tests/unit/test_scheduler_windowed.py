@@ -17,8 +17,8 @@ class TablesConnector(RecordingConnector):
         super().__init__(block_size)
         self.tables = {}  # request id -> block_tables the scheduler passed
 
-    def on_blocks_allocated(self, request_id, block_ids, num_local, num_prompt, source, block_tables=()):
-        super().on_blocks_allocated(request_id, block_ids, num_local, num_prompt, source)
+    def on_blocks_allocated(self, request_id, block_ids, num_local, num_prompt, source, block_tables=(), **kw):
+        super().on_blocks_allocated(request_id, block_ids, num_local, num_prompt, source, **kw)
         self.tables[request_id] = [list(t) for t in block_tables]
 
     def on_request_finished(self, request_id, block_ids, num_tokens, params, token_ids=(), block_tables=()):

@@ -43,9 +43,11 @@ class SchedulerBase:
         num_prompt_tokens: int,
         source: PullSource | PushSource,
         block_tables: Sequence[Sequence[int]] = (),
+        with_last_token: bool = False,
     ) -> None:
-        # D computes the last prompt token itself (and samples the first output token from its logits)
-        num_tokens = max(0, num_prompt_tokens - 1 - num_local_tokens)
+        # with_last_token: the whole prompt (the prefill's first token comes along); else D computes the last
+        # prompt token itself (and samples the first output token from its logits)
+        num_tokens = max(0, num_prompt_tokens - (0 if with_last_token else 1) - num_local_tokens)
         task = self.recv_task(request_id, tuple(block_ids), num_local_tokens, num_tokens, source)
         self.meta.recvs.append(replace(task, block_tables=tuple(tuple(t) for t in block_tables)))
 
@@ -66,6 +68,11 @@ class SchedulerBase:
     def on_pin_released(self, request_id: str) -> None:
         self._answers.pop(request_id, None)
         self.meta.releases.append(request_id)
+
+    @staticmethod
+    def first_token(token_ids: Sequence[int], num_tokens: int) -> int | None:
+        """P: the token sampled after the num_tokens tokens whose KV the blocks hold (None: none yet)."""
+        return token_ids[num_tokens] if len(token_ids) > num_tokens else None
 
     def take_answer(self, request_id: str) -> KVAnswer | None:
         return self._answers.pop(request_id, None)

@@ -29,11 +29,12 @@ class PullScheduler(SchedulerBase, ConnectorScheduler):
         if not isinstance(params, RemoteDecode):
             return False
         tables = tuple(tuple(t) for t in block_tables)
-        send = SendTask(request_id, tuple(block_ids), num_tokens, block_tables=tables)
+        first = self.first_token(token_ids, num_tokens)  # D's first output token, in the answer D gets
+        send = SendTask(request_id, tuple(block_ids), num_tokens, block_tables=tables, first_token_id=first)
         self.meta.sends.append(send)
         source = PullSource(
             self.host, self.port, self.cfg.engine_id, request_id, send.pin_ids, num_tokens, self.block_size,
-            self.tp_size, block_tables=tables,
+            self.tp_size, block_tables=tables, first_token_id=first,
         )  # fmt: skip
         self._answers[request_id] = self._auth.issue_pull(source, token_ids, self.cfg.lease_s)
         return True

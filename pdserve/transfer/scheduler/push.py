@@ -63,10 +63,8 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
             log.warning("push: request %s has do_remote_decode but no transfer_id; not pinned", request_id)
             self._answers[request_id] = Refusal("push mode needs a transfer_id in kv_transfer_params")
             return False
-        self.meta.sends.append(
-            SendTask(
-                request_id, tuple(block_ids), num_tokens, params.transfer_id, tuple(tuple(t) for t in block_tables)
-            )
-        )
+        tables = tuple(tuple(t) for t in block_tables)
+        first = self.first_token(token_ids, num_tokens)  # D's first output token, sent with the WRITE
+        self.meta.sends.append(SendTask(request_id, tuple(block_ids), num_tokens, params.transfer_id, tables, first))
         self._answers[request_id] = PushAnswer(params.transfer_id, self.cfg.engine_id)
         return True

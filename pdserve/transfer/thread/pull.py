@@ -249,7 +249,9 @@ class PullCore:
         elif error is None:
             secs = time.monotonic() - rd.posted_at if rd.xfers else None
             peer_bs = rd.peers[0].info.geometry.block_size  # finished: the handshake was done
-            self.ctx.sink.recv_finished(rid, nbytes, secs, landed_from(self.ctx, rd.task, peer_bs))
+            end = rd.task.start_token + rd.task.num_tokens  # the first token only with KV up to where P's ends
+            first = rd.remote.first_token_id if end == rd.remote.num_tokens else None
+            self.ctx.sink.recv_finished(rid, nbytes, secs, landed_from(self.ctx, rd.task, peer_bs), first)
         else:
             log.warning("pull of %s failed: %s", rid, error)
             self.ctx.sink.recv_failed(rid, error, refused)

@@ -121,6 +121,7 @@ class RecvSide:
         w.done_ranks.add(msg.producer_rank)
         w.num_bytes += msg.num_bytes
         w.sums[msg.producer_rank] = msg.checksum
+        w.first_token = msg.first_token_id if msg.first_token_id >= 0 else w.first_token
         self._maybe_over(rid, w)
 
     def on_queued(self, msg: PushQueued, now: float) -> None:
@@ -286,9 +287,9 @@ class RecvSide:
         """Nothing more can land in this recv's blocks: report it, exactly once."""
         del self.waits[rid]
         del self.by_key[w.key]
-        if kind is RecvEnd.FINISHED:  # the WRITE's duration is P's to record; D only waited
-            peer_bs = w.peers[0].info.geometry.block_size  # every producer's PushDone came, after the handshake
-            self.ctx.sink.recv_finished(rid, w.num_bytes, None, landed_from(self.ctx, w.task, peer_bs))
+        if kind is RecvEnd.FINISHED:  # the WRITE's duration is P's to record; D only waited (every PushDone came)
+            landed = landed_from(self.ctx, w.task, w.peers[0].info.geometry.block_size)
+            self.ctx.sink.recv_finished(rid, w.num_bytes, None, landed, w.first_token)
         elif kind is RecvEnd.CANCELLED:
             self.ctx.sink.recv_cancelled(rid)
         else:

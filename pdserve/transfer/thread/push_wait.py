@@ -53,6 +53,7 @@ class Wait:
     over_ranks: set[int] = field(default_factory=set)  # producers that will write nothing (more)
     num_bytes: int = 0
     sums: dict[int, list[int]] = field(default_factory=dict)  # --kv-checksum: producer rank -> its PushDone's sums
+    first_token: int | None = None  # the prefill's first output token, from a PushDone (every producer's agree)
     registered_at: float = 0.0
     alive_at: float = 0.0  # time.monotonic() of the last sign of life (arrival, then P's PushQueued)
     num_queued: int = 0  # PushQueued notices received

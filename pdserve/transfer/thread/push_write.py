@@ -66,7 +66,10 @@ def post_write(ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPa
         return WriteOver(True, None)
     nbytes = int(local[:, 1].sum()) if len(local) else 0
     n_prod = num_producers(ctx.geometry.total_kv_heads, ctx.spec.tp_size, peer.info.tp_size, d_rank)
-    done = PushDone(transfer_id, msg.attempt, ctx.spec.tp_rank, n_prod, nbytes)
+    # D's first output token, when D asked for the KV up to where the prefill's ends (kv.params.hands_first_token)
+    ends_there = msg.start_token + msg.num_tokens == send.num_tokens
+    first = send.first_token_id if ends_there and send.first_token_id is not None else -1
+    done = PushDone(transfer_id, msg.attempt, ctx.spec.tp_rank, n_prod, nbytes, first_token_id=first)
     x.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the WRITE
     try:
         if msg.num_tokens == 0:

@@ -29,13 +29,17 @@ class ResultSink:
 
     # ---- results (each call wakes the engine) -------------------------------------------------------------------
     def recv_finished(
-        self, request_id: str, num_bytes: int, seconds: float | None, landed_from: tuple[int, ...] = ()
-    ) -> None:
-        """D may run the request; landed_from: per KV group, the first token whose KV landed."""
+        self, request_id: str, num_bytes: int, seconds: float | None, landed_from: tuple[int, ...] = (),
+        first_token: int | None = None,
+    ) -> None:  # fmt: skip
+        """D may run the request; landed_from: per KV group, the first token whose KV landed; first_token: the
+        prefill's first output token, when the KV ends where the prefill's does (TransferResults.first_tokens)."""
         with self._lock:
             self._results.finished_recvs.append(request_id)
             if landed_from:
                 self._results.landed_from[request_id] = landed_from
+            if first_token is not None:
+                self._results.first_tokens[request_id] = first_token
             self._results.events.append((request_id, "kv_received", time.time()))
             self._stats.received_bytes += num_bytes
             self._stats.transfers_ok += 1

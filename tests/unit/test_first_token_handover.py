@@ -1,0 +1,165 @@
+"""D's first output token handed over by the prefill with the KV of the whole prompt (issue 28 item 4), without
+torch: which recvs take it (kv.params.hands_first_token), the range D asks for, the token appended as a sampled
+one is (stop conditions), the fallbacks, the token's way across the P answer, the capability, the wire and the
+tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from test_scheduler import RecordingConnector
+
+from pdserve.auth import AuthError
+from pdserve.config import SchedulerConfig, TransferConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_landed import take_landed
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.capability import KVAuth
+from pdserve.kv.decode import decode
+from pdserve.kv.params import KVParamsError, PullSource, PushSource, RemoteDecode, encode, hands_first_token
+from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults, TransferStats
+from pdserve.transfer.ranks import RankMerger, decode_meta, decode_results, encode_meta, encode_results
+from pdserve.transfer.scheduler.pull import PullScheduler
+from pdserve.transfer.scheduler.push import PushScheduler
+from pdserve.transfer.wire import decode as decode_wire
+from pdserve.transfer.wire import encode as encode_wire
+from pdserve.transfer.wire_notifs import PushDone
+
+N = 10  # prompt tokens
+EOS = 99
+VOCAB = 128
+PULL = PullSource("127.0.0.1", 5600, None, "p-1", (0, 1, 2), N, 4, first_token_id=42)
+PUSH = PushSource("t-1", "127.0.0.1", 5600, None)
+
+
+def make(block_size: int = 4) -> tuple[Scheduler, BlockPool, RecordingConnector]:
+    pool = BlockPool(64, True)
+    conn = RecordingConnector(block_size)
+    return Scheduler(SchedulerConfig(8, 64), pool, block_size, 1024, conn), pool, conn
+
+
+def parked(s: Scheduler, source: PullSource | PushSource, params: SamplingParams | None = None) -> Request:
+    r = Request("d", list(range(N)), params or SamplingParams.greedy(4), (EOS,), source)
+    s.add(r)
+    assert s.schedule().chunks == [] and r.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    return r
+
+
+def landed(s: Scheduler, token: int | None, vocab: int = VOCAB) -> tuple[list[Request], TransferResults]:
+    res = TransferResults(finished_recvs=["d"], first_tokens={} if token is None else {"d": token})
+    return take_landed(s, res, vocab), res
+
+
+def test_which_sources_hand_the_first_token_over() -> None:
+    assert hands_first_token(PUSH, N) and hands_first_token(PULL, N)
+    assert not hands_first_token(dataclasses.replace(PULL, first_token_id=None), N)  # a vLLM prefill's answer
+    assert not hands_first_token(PULL, N + 1)  # P's KV ends elsewhere than this prompt: the token is not D's first
+
+
+@pytest.mark.parametrize("source", [PULL, PUSH], ids=["pull", "push"])
+def test_the_token_is_emitted_on_landing_and_decoding_continues_after_it(source: PullSource | PushSource) -> None:
+    s, pool, conn = make()
+    r = parked(s, source)
+    assert conn.with_last_token  # the recv covers the whole prompt: D computes no prompt token
+    took, res = landed(s, 42)
+    assert took == [r] and r.output_token_ids == [42] and r.finish_reason is None and not res.failed_recvs
+    assert r.num_computed_tokens == r.num_cached_tokens == N
+    out = s.schedule()  # the first step computes the first output token's KV and samples the second
+    assert [(c.start_pos, c.token_ids, c.sample, c.num_output_tokens) for c in out.chunks] == [(N, [42], True, 1)]
+    s.update(out, {"d": 7})
+    assert r.output_token_ids == [42, 7]
+
+
+def test_without_a_token_d_computes_the_last_prompt_token_as_before() -> None:
+    s, _, conn = make()
+    r = parked(s, dataclasses.replace(PULL, first_token_id=None))
+    assert not conn.with_last_token
+    took, res = landed(s, None)
+    assert took == [] and not res.failed_recvs and r.output_token_ids == []
+    out = s.schedule()
+    assert [(c.start_pos, c.token_ids, c.sample) for c in out.chunks] == [(N - 1, [N - 1], True)]
+
+
+@pytest.mark.parametrize(
+    ("params", "token", "reason"),
+    [
+        (SamplingParams.greedy(1), 42, "length"),  # max_tokens=1: done on landing, no step at all
+        (SamplingParams.greedy(4), EOS, "stop"),
+        (SamplingParams.greedy(4, stop_token_ids=(42,)), 42, "stop"),
+        (SamplingParams.greedy(4, ignore_eos=True), EOS, None),
+    ],
+)
+def test_stop_conditions_apply_to_the_handed_over_token(params: SamplingParams, token: int, reason: str | None) -> None:
+    s, pool, _ = make()
+    r = parked(s, PULL, params)
+    took, _ = landed(s, token)
+    assert took == [r] and r.finish_reason == reason
+    if reason is not None:  # the engine finishes it (engine.py's _postprocess): every block is free again
+        s.finish(r, reason)
+        assert pool.num_free == pool.num_blocks and not s.has_work()
+
+
+@pytest.mark.parametrize(
+    ("token", "why"), [(None, "no first token came"), (VOCAB, f"its first token {VOCAB} is outside the vocabulary")]
+)
+def test_a_missing_or_impossible_token_fails_the_recv(token: int | None, why: str) -> None:
+    s, pool, _ = make()
+    r = parked(s, PUSH)
+    took, res = landed(s, token)
+    assert took == [] and res.failed_recvs == [("d", f"the prefill instance handed the KV over but {why}")]
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV  # the engine fails it or recomputes it by policy
+    assert s.on_kv_failed("d", recompute=True) is None
+    out = s.schedule()  # recompute: the whole prompt here, D's own first token
+    assert out.chunks[0].start_pos == 0 and len(out.chunks[0].token_ids) == N and r.output_token_ids == []
+
+
+def test_a_token_for_a_request_aborted_meanwhile_is_dropped_with_its_blocks() -> None:
+    s, pool, _ = make()
+    parked(s, PUSH)
+    s.abort("d")
+    took, res = landed(s, 42)
+    assert took == [] and not res.failed_recvs and pool.num_free == pool.num_blocks
+
+
+def test_p_answers_the_token_after_its_kv() -> None:
+    cfg = TransferConfig(role="prefill", mode="pull")
+    pull = PullScheduler(cfg, 4, "127.0.0.1", 5600)
+    assert pull.on_request_finished("p", [0, 1, 2], N, RemoteDecode(None, None), token_ids=[*range(N), 42])
+    answer = pull.take_answer("p")
+    assert isinstance(answer, PullSource) and answer.first_token_id == 42 and answer.num_tokens == N
+    assert pull.build_step_meta().sends[0].first_token_id == 42
+    push = PushScheduler(dataclasses.replace(cfg, mode="push"), 4, "127.0.0.1", 5600)
+    push.on_request_finished("q", [0, 1, 2], N, RemoteDecode(None, "t-1"), token_ids=list(range(N)))
+    assert push.build_step_meta().sends[0].first_token_id is None  # nothing sampled: nothing handed over
+
+
+def test_first_token_id_at_the_edge_and_in_the_capability() -> None:
+    assert decode(json.loads(json.dumps(encode(PULL)))) == PULL
+    for bad in (-1, 2**31, "42", 1.5, True):
+        with pytest.raises(KVParamsError, match="first_token_id"):
+            decode({**encode(PULL), "first_token_id": bad})
+    prompt = list(range(N))
+    issued = KVAuth(b"s" * 32).issue_pull(PULL, prompt, ttl_s=30)
+    with pytest.raises(AuthError, match="forged or altered"):  # a client cannot choose D's first token
+        KVAuth(b"s" * 32).check(dataclasses.replace(issued, first_token_id=43), prompt, {})
+    KVAuth(b"s" * 32).check(issued, prompt, {})
+
+
+def test_the_token_crosses_the_wire_and_the_ranks() -> None:
+    done = PushDone("t-1", 0, 0, 1, 64, first_token_id=0)  # token 0 is a token, -1 none
+    assert decode_wire(encode_wire(done)) == done
+    meta = StepMeta(sends=[SendTask("p", (0, 1), 8, "t-1", (), 5), SendTask("q", (2,), 3, "t-2")])
+    assert decode_meta(encode_meta(meta)) == meta
+    res = TransferResults(finished_recvs=["a"], first_tokens={"a": 5})
+    assert decode_results(encode_results(res, TransferStats()))[0] == res
+    m = RankMerger(2)
+    m.see(StepMeta(recvs=[RecvTask("a", (0,), 0, 8, PUSH)]))
+    m.add(0, res)
+    assert not m.take()[0].first_tokens  # rank 1's part has not landed yet
+    m.add(1, TransferResults(finished_recvs=["a"], first_tokens={"a": 5}))
+    out, _ = m.take()
+    assert out.finished_recvs == ["a"] and out.first_tokens == {"a": 5}
