@@ -17,6 +17,7 @@ least-loaded or round-robin routing the cached tokens are 0, so the rule is the 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from pdserve.router.policy import Backend, Pool
 
 DEFAULT_HIT_WEIGHT = 2.0  # outstanding legs a fully cached prompt is worth (docs/benchmarks.md: how chosen)
 DEFAULT_LOAD_WEIGHT = 1.0  # per outstanding leg
+INLINE_HASH_TOKENS = 2048  # longer prompts are hashed in a worker thread (16k tokens: ~15 ms on a loaded 2-core host)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class PromptKeys:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    def hash_all(self, block_sizes: set[int]) -> None:
+        for block_size in block_sizes:
+            self.hashes(block_size)
+
     def hashes(self, block_size: int) -> list[BlockHash]:
         keys = self._by_size.get(block_size)
         if keys is None:
@@ -65,7 +71,9 @@ class Choice:
     """An instance chosen for a leg, and what the router believes it holds of the prompt."""
 
     backend: Backend  # the instance
-    hit_tokens: int  # leading prompt tokens cached there (0: unknown, or not kv-aware)
+    hit_tokens: int = 0  # leading prompt tokens cached there (0: unknown, or not kv-aware)
+    hit_blocks: int = 0  # the same in its blocks
+    prompt_tokens: int | None = None  # the prompt's tokens when it was scored by cache (kv-aware), else None
 
 
 class KVRoute:
@@ -79,6 +87,14 @@ class KVRoute:
     def is_kv_aware(self, pool: Pool) -> bool:
         return pool.policy == "kv-aware"
 
+    async def prepare(self, prompt: PromptKeys) -> None:
+        """Hash `prompt` at every block size the instances use, off the event loop when it is long."""
+        sizes = {i.block_size for i in self.index.instances.values() if i.usable and i.block_size is not None}
+        if prompt.num_tokens > INLINE_HASH_TOKENS:
+            await asyncio.to_thread(prompt.hash_all, sizes)
+        else:
+            prompt.hash_all(sizes)
+
     def hit(self, url: str, prompt: PromptKeys) -> tuple[int, int]:
         """(cached blocks, cached tokens) of `prompt` at instance `url`: (0, 0) when its index is unusable."""
         inst = self.index.get(url)
@@ -88,8 +104,10 @@ class KVRoute:
         return blocks, min(blocks * inst.block_size, max(prompt.num_tokens - 1, 0))
 
     def choose(self, pool: Pool, prompt: PromptKeys | None) -> Choice:
+        """An instance of `pool` for `prompt` (None: not hashable); `used` records it in /metrics once the
+        caller sends a leg there (a choice made only to decide whether to skip P is not counted twice)."""
         if pool.policy != "kv-aware" or prompt is None or prompt.num_tokens == 0:
-            return Choice(pool.choose(), 0)
+            return Choice(pool.choose())
         hits: dict[str, tuple[int, int]] = {}
         w = self.weights
 
@@ -99,5 +117,10 @@ class KVRoute:
 
         backend = pool.choose(cost)
         blocks, tokens = hits[backend.url]
-        self.metrics.kv_choice(pool.role, blocks, tokens, prompt.num_tokens)
-        return Choice(backend, tokens)
+        return Choice(backend, tokens, blocks, prompt.num_tokens)
+
+    def used(self, pool: Pool, choice: Choice) -> Backend:
+        """Count a choice whose leg is sent (kv-aware choices only) and return its instance."""
+        if choice.prompt_tokens is not None:
+            self.metrics.kv_choice(pool.role, choice.hit_blocks, choice.hit_tokens, choice.prompt_tokens)
+        return choice.backend

@@ -112,6 +112,8 @@ class Orchestrator:
     async def handle(self, call: Call) -> Response:
         """The client's answer; raises LegError or ClientDisconnected."""
         prompt = await self.prompts.keys(call.parsed) if self.route.is_kv_aware(self.decode) else None
+        if prompt is not None:
+            await self.route.prepare(prompt)
         if self.mode == "colocated":
             return await self._whole(call, "instance", self.route.choose(self.decode, prompt))
         d: Choice | None = None
@@ -123,9 +125,9 @@ class Orchestrator:
         if self.mode == "pull":
             return await self._pull(call, prompt)  # D is chosen when P has answered
         assert self._push is not None
-        p = self.route.choose(self.prefill, prompt)
+        p = self.route.used(self.prefill, self.route.choose(self.prefill, prompt))
         d = d or self.route.choose(self.decode, prompt)
-        return await self._push.call(call, p.backend, d.backend)
+        return await self._push.call(call, p, self.route.used(self.decode, d))
 
     # --- whole requests (colocated, or short prompts in pull/push) ---------------------------------------
 
@@ -135,7 +137,7 @@ class Orchestrator:
         call.is_whole = True
         self.num_whole += 1
         self.route.metrics.requests["whole"] += 1
-        d = choice.backend
+        d = self.route.used(self.decode, choice)
         call.decode_url = d.url
         body = {k: v for k, v in call.body.items() if k != "kv_transfer_params"}
         if not call.is_stream:
@@ -163,7 +165,7 @@ class Orchestrator:
             urls = ", ".join(b.url for b in self.decode.backends)
             message = f"no healthy decode instance ({urls}); retry later"
             raise LegError("decode", urls, message, status=503, retry_after="1")
-        p = self.route.choose(self.prefill, prompt).backend
+        p = self.route.used(self.prefill, self.route.choose(self.prefill, prompt))
         call.prefill_url = p.url
         with self.prefill.lease(p):
             body = prefill_body(call.body, encode(RemoteDecode(None, None, None, call.max_tokens)))
@@ -187,7 +189,7 @@ class Orchestrator:
             log.warning(
                 "request %s: prefill %s returned no kv_transfer_params; decode will prefill", call.request_id, p.url
             )
-        d = self.route.choose(self.decode, prompt).backend  # chosen now: its load and cache as P answers
+        d = self.route.used(self.decode, self.route.choose(self.decode, prompt))  # now: load and cache as P answers
         call.decode_url = d.url
         d_body = {**call.body, "kv_transfer_params": None if kv is None else raw}  # verbatim: see the docstring
         try:

@@ -4,6 +4,8 @@ and tie rotation. Pure Python, milliseconds."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pdserve.kv.block_hashes import HASH_SCHEME, prompt_block_hashes
@@ -136,6 +138,8 @@ def test_kv_aware_prefers_the_cache_until_the_load_outweighs_it() -> None:
     prompt = PromptKeys(PROMPT)
     choice = kv.choose(pool, prompt)
     assert choice.backend is b and choice.hit_tokens == 12  # 3 blocks of 4; 13 - 1 is the cap
+    assert metrics.kv_choices["decode"] == 0  # counted when a leg is sent there
+    assert kv.used(pool, choice) is b
     assert metrics.kv_choices["decode"] == 1 and metrics.kv_hit_blocks["decode"] == 3
     with pool.lease(b):  # cost b = 1 - 2 * 12/13 < 0 = cost a: still b
         assert kv.choose(pool, prompt).backend is b
@@ -177,9 +181,18 @@ def test_metrics_render_the_streams_and_the_index() -> None:
     pool, index, kv, metrics = route("http://a")
     metrics.streams["http://a"] = StreamState(up=False, num_failures=2, num_snapshots=3)
     index.apply("http://a", snapshot(KEYS))
-    kv.choose(pool, PromptKeys(PROMPT))
+    kv.used(pool, kv.choose(pool, PromptKeys(PROMPT)))
     text = metrics.render(index)
     assert 'pdserve_router_kv_stream_up{instance="http://a"} 0' in text
     assert 'pdserve_router_kv_stream_resyncs_total{instance="http://a"} 2' in text
     assert 'pdserve_router_kv_index_keys{instance="http://a"} 3' in text
     assert 'pdserve_router_kv_hit_blocks_total{role="decode"} 3' in text
+
+
+def test_long_prompts_are_hashed_off_the_event_loop_at_every_block_size() -> None:
+    pool, index, kv, _ = route("http://a", "http://b")
+    index.apply("http://a", snapshot([], block_size=8))
+    index.apply("http://b", snapshot([]))
+    long = PromptKeys(list(range(5000)))
+    asyncio.run(kv.prepare(long))
+    assert sorted(long._by_size) == [BS, 8] and long.hashes(8) == prompt_block_hashes(long.token_ids, 8)
