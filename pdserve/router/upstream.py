@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pydantic_core
 
 from pdserve.web import error_body
 
@@ -43,7 +44,16 @@ def make_session(connect_timeout_s: float, api_key: str | None = None) -> aiohtt
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)  # backends keep idle connections for 30 s
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=None)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False, headers=headers)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False, headers=headers, json_serialize=encode_json
+    )
+
+
+def encode_json(body: Any) -> str:
+    """A leg's body as JSON text: pydantic-core's encoder, ~3x faster than json.dumps on a prompt's token ids (16k
+    ids: a few ms less on the path to P and, in pull mode, to D). Bodies were validated first, so they hold no
+    NaN or infinity (which it would write as null)."""
+    return pydantic_core.to_json(body).decode()
 
 
 def _error_message(payload: Any, text: str) -> str:

@@ -20,13 +20,14 @@ from pdserve.kv.decode import decode
 from pdserve.openai_request import ChatCompletionRequest, CompletionRequest
 from pdserve.server import kv_events, metrics
 from pdserve.server.answer import answer
+from pdserve.server.fast_json import FastJSONRoute
 from pdserve.server.prepare import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt_ids, completion_prompt_ids
 from pdserve.server.protocol import ApiError, KVReleaseRequest, ModelCard, ModelList
 from pdserve.server.refusal import EdgeRefusal
 from pdserve.server.state import ServerState
 from pdserve.web import error_response, is_internal_caller
 
-routes = APIRouter()
+routes = APIRouter(route_class=FastJSONRoute)  # bodies parsed by pydantic-core (fast_json.py)
 
 
 def state_of(request: Request) -> ServerState:
