@@ -69,23 +69,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "this router), round-robin, or kv-aware: the least kv-load-weight x outstanding legs - kv-hit-weight x the "
         "fraction of the prompt the instance caches (the router follows every instance's GET /kv_events; a "
         "prompt it cannot hash, or an instance whose events it lost, counts load only); pull and push choose P by "
-        "its cache and load, D by its cache and load (default least-loaded)",
+        "its cache and load, D by its cache and load (a D caches KV it received only with the deployment secret, "
+        "--kv-auth-secret-file) (default least-loaded)",
     )
     p.add_argument(
         "--kv-hit-weight",
         type=non_negative_float,
+        metavar="W",
         default=DEFAULT_HIT_WEIGHT,
         help=f"kv-aware: how many outstanding legs a fully cached prompt is worth (default {DEFAULT_HIT_WEIGHT:g})",
     )
     p.add_argument(
         "--kv-load-weight",
         type=non_negative_float,
+        metavar="W",
         default=DEFAULT_LOAD_WEIGHT,
         help=f"kv-aware: cost of one outstanding leg (default {DEFAULT_LOAD_WEIGHT:g})",
     )
     p.add_argument(
         "--kv-index-max-keys",
         type=positive_int,
+        metavar="N",
         default=DEFAULT_MAX_KEYS,
         help="kv-aware: block keys the router keeps per instance; past it the least recently stored or hit go "
         f"(a forgotten block costs a prefix miss in the estimate, never a wrong answer) (default {DEFAULT_MAX_KEYS})",
