@@ -73,7 +73,9 @@ class Decoder(nn.Module):
             raise ValueError(f"a decoder on {self.shard.size} tensor-parallel ranks needs their collectives")
         self.comm = comm if self.shard.is_parallel else None
         vocab = self.shard.vocab_per_rank  # the whole vocabulary at TP 1
-        self.embed_tokens = nn.Embedding(vocab, arch.hidden_size)
+        # its weight given (uninitialized; build_decoder constructs on the meta device and loads or draws every
+        # weight after): nn.Embedding's own init, normal_ on the meta device, imports torch._dynamo (~2 s of CPU)
+        self.embed_tokens = nn.Embedding(vocab, arch.hidden_size, _weight=torch.empty(vocab, arch.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(arch, self.shard, self.comm, i) for i in range(arch.num_layers))
         self.kv_groups = KVGroups.of(arch.layer_windows, arch.num_layers)  # kv/groups.py
         self._layer_slots = self.kv_groups.layer_slots()  # layer -> (group, slot in a block)

@@ -17,9 +17,11 @@ from pdserve.model.arch import ModelArch
 def rope_inv_freq(arch: ModelArch, local: bool = False) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], with llama3-style or linear scaling when the config asks for it.
 
-    local: Gemma 3's windowed layers (their own base, no scaling)."""
+    local: Gemma 3's windowed layers (their own base, no scaling). Always on the CPU (the caller moves it), even
+    under a `torch.device("meta")` block: arange on the meta device imports torch._dynamo (~2 s of CPU)."""
     theta = arch.local_rope_theta if local and arch.local_rope_theta is not None else arch.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim))
+    positions = torch.arange(0, arch.head_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (theta ** (positions / arch.head_dim))
     if arch.rope_scaling is None or local:
         return inv.float()
     s = dict(arch.rope_scaling)
