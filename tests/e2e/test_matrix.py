@@ -4,12 +4,13 @@ real NIXL over UCX, tiny random models) that serves a run of requests, checked a
 - every answer token for token equal to a colocated TP 1 instance of the same model (greedy);
 - every KV block free again on P and on D (their /metrics) within a few seconds;
 - P's timeline shows one transfer part per request and (P rank, D rank) pair that moves heads (push: the WRITE;
-  pull: D rank's release to every P rank) and D's timeline the matching confirmations.
+  pull: D rank's release to every P rank) and D's timeline the matching confirmations;
+- D's timeline shows the first token (P's, handed over with the KV) before D's first step on the request.
 
 The requests go through one deployment, so state that outlives a request (handshake and peer caches, attempt
 counters, pins, prefix caches) is exercised: a prompt longer than 4 blocks, two prompts sharing two blocks'
-worth of prefix, the long prompt again (whole-prefix hit on both sides), a prompt of one token (no KV to move:
-D computes the last prompt token itself), a prompt of exactly one P block, and a prompt ending mid-block.
+worth of prefix, the long prompt again (whole-prefix hit on both sides), a prompt of one token (its KV alone
+moves, with P's first token), a prompt of exactly one P block, and a prompt ending mid-block.
 
 Servers are shared across cases that start them with the same flags (a case is still a fresh *pair* of them,
 and each case's prompts start with its own marker, so no case hits another's prefix cache); a server is
@@ -160,7 +161,7 @@ def requests_for(index: int) -> list[tuple[str, str | list[int]]]:
         ("shared-a", shared + "First, name a colour."),
         ("shared-b", shared + "Then, a number between one and nine?"),
         ("long-again", long),  # whole-prefix hit on P and D (where D caches)
-        ("one-token", [5 + 40 + index % 40]),  # a single prompt token: nothing to move
+        ("one-token", [5 + 40 + index % 40]),  # a single prompt token: its KV alone moves (with P's first token)
         ("one-block", [5 + (i * 7 + index) % 250 for i in range(16)]),  # exactly one block of 16
         ("mid-block", mark + "ends mid-block"),
     ]
@@ -223,8 +224,10 @@ def run_case(pool: Pool, case: Case, index: int) -> None:
         for name, prompt in requests_for(index):
             rid = f"m{index:02d}-{name}"
             check_same_tokens(c, ref, router, _body(prompt), rid)
-            # pull with nothing to read (one prompt token): D releases every P rank and waits for no answer
-            want_d = set() if (case.mode, name) == ("pull", "one-token") else want_parts
+            # D emitted P's first token when the KV landed, before its first step on the request (issue 28 item 4)
+            d_ev = _events(d, rid)
+            assert d_ev["kv_received"] <= d_ev["first_token"] < d_ev["scheduled"], f"{case.id} {name}: {d_ev}"
+            want_d = want_parts
             deadline = time.monotonic() + 10  # P's part may be recorded just after D answered
             while True:
                 p_parts = _parts(_events(p, rid), p_prefix, True)

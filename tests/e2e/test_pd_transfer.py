@@ -492,6 +492,7 @@ def test_first_token_is_emitted_when_the_kv_lands(cl: Cluster, mode: str) -> Non
     cases: list[tuple[str, dict[str, Any], bool]] = [  # (path, body, stops at the first token)
         ("/v1/completions", {"prompt": prompt, **GREEDY}, False),
         ("/v1/chat/completions", chat, False),
+        ("/v1/completions", {"prompt": prompt, **GREEDY, "temperature": 1.0, "seed": 1234}, False),  # P draws step 0
         ("/v1/completions", {"prompt": prompt, **GREEDY, "max_tokens": 1}, True),
         ("/v1/completions", {"prompt": prompt, **GREEDY, "stop_token_ids": [first]}, True),
         ("/v1/chat/completions", {**chat, "max_tokens": 1}, True),
@@ -515,6 +516,25 @@ def test_first_token_is_emitted_when_the_kv_lands(cl: Cluster, mode: str) -> Non
             else:
                 assert events["first_token"] < events["scheduled"], events  # emitted before D's first step
     assert_all_free(p, d)
+
+
+def test_an_answer_without_a_first_token_falls_back_to_computing_the_last_prompt_token(cl: Cluster) -> None:
+    """A prefill instance that hands no first token over (vLLM's answer has no first_token_id): D receives the KV of
+    all but the last prompt token and computes that one itself, as before; the answer is still colocated's."""
+    prompt = "[no first token] " + PROMPT
+    rid = f"fallback-{uuid.uuid4().hex[:8]}"
+    leg = completion(cl.p_pull.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert leg.status_code == 200, leg.text
+    params = leg.json()["kv_transfer_params"]
+    assert params.pop("first_token_id") == answer(leg)[1][0]
+    received = counter(cl.d_pull, "pdserve_kv_received_bytes_total")
+    resp = completion(cl.d_pull.url, prompt, {"X-Request-Id": rid}, kv_transfer_params=params)
+    assert answer(resp) == answer(completion(cl.ref.url, prompt))
+    moved = (counter(cl.d_pull, "pdserve_kv_received_bytes_total") - received) // BYTES_PER_TOKEN
+    assert moved == len(resp.json()["choices"][0]["prompt_token_ids"]) - 1
+    events = timeline(cl.d_pull, rid)
+    assert events["kv_received"] <= events["scheduled"] < events["first_token"], events  # D's own first step
+    assert_all_free(cl.p_pull, cl.d_pull)
 
 
 def test_everything_free_at_the_end(cl: Cluster) -> None:
