@@ -50,8 +50,10 @@ class BlockTables:
 
     def free_out_of_window(self, req: Request) -> None:
         """Give back every windowed group's blocks that no later query of the request can read. P keeps one
-        token more for a request it hands to a remote decode: D computes the last prompt token itself, so it
-        needs the window before that token (position num_computed - 1)."""
+        token more for a request it hands to a remote decode: a D that computes the last prompt token itself
+        (P handed no first token over, e.g. to a vLLM decode instance) needs the window before that token
+        (position num_computed - 1); one that takes P's first token needs the window before num_computed, a
+        part of it."""
         keep_from = req.num_computed_tokens - (1 if isinstance(req.kv_transfer_params, RemoteDecode) else 0)
         for g, table in enumerate(req.block_tables):
             first = min(self.kv_groups.first_live_block(g, keep_from, self.block_size), len(table))

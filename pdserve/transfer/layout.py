@@ -18,7 +18,7 @@ descriptor per run of blocks contiguous on both sides, whatever the number of la
 (block, region), e.g. 2 x 64 layers x 128 blocks = 16384 for a 2048-token prompt of 16-token blocks (tokens
 before heads needed one per token row, 2 x 64 x 2048 = 262144).
 
-The prompt's last block is usually partial (D computes the last prompt token itself). pad_last_blocks() sends
+The prompt's last block is usually partial (D computes the rest of it). pad_last_blocks() sends
 it whole when that is safe (equal block sizes), keeping it one descriptor per (block, region) or less instead of
 one per (region, head); its docstring carries the argument.
 
@@ -125,11 +125,12 @@ def group_ranges(
     windows: Sequence[int | None], start_token: int, num_tokens: int, *block_sizes: int
 ) -> list[tuple[int, int]]:
     """Per KV group, the tokens [first, end) a transfer of [start_token, end = start_token + num_tokens) moves:
-    everything for a full-attention group; for a windowed group only what a query at position `end` (the last
-    prompt token, which D computes itself) reads, from the start of the block holding key end - window + 1 on
-    every side (the later of the sides' block starts, so both hold it; equal block sizes: whole blocks). Each
-    start is <= end - window + 1, so the range holds every key D reads; with different block sizes D's first
-    block may begin before it (rows D never receives nor reads: thread/landing.landed_ranges)."""
+    everything for a full-attention group; for a windowed group only what a query at position `end` (D's first
+    computed position: the first output token, or the last prompt token when D computes it itself) reads, from
+    the start of the block holding key end - window + 1 on every side (the later of the sides' block starts, so
+    both hold it; equal block sizes: whole blocks). Each start is <= end - window + 1, so the range holds every
+    key D reads; with different block sizes D's first block may begin before it (rows D never receives nor reads:
+    thread/landing.landed_ranges)."""
     end = start_token + num_tokens
     out = []
     for window in windows:
@@ -174,8 +175,8 @@ def pad_last_blocks(local: CacheGeometry, remote: CacheGeometry, segments: list[
       transferred token, so it lies after the hits and is shared with no one; D hashes a block for its prefix
       cache only once it is full of computed tokens (PrefixCache.cache_full_blocks), after D wrote the padded rows
       itself.
-    - rows past the range are positions >= start + num_tokens: the last prompt token, which D computes itself,
-      and output tokens. D computes nothing for the request until the recv is reported finished (it waits in
+    - rows past the range are positions >= start + num_tokens: output tokens (and the last prompt token when D
+      computes it itself). D computes nothing for the request until the recv is reported finished (it waits in
       WAITING_FOR_REMOTE_KV), which happens after every WRITE/READ landed; each later step writes a position's
       K/V (write_kv, qkv_rope_store) before attention reads it, and attention never reads a row at or past its
       context length. So the padded rows are overwritten before they are read, as D's stale rows would be.
