@@ -4,8 +4,9 @@ out of its prefix cache) behind a kv-aware router with --colocate-below 24 (16-t
 blocks), and a colocated kv-aware router over one of those D and a stub backend whose /kv_events is garbage.
 
 - a conversation's turns stay on the D that served the first turn; a turn whose uncached suffix there is below
-  the threshold runs whole on that D (P never sees it, D reports the prefix as cached tokens); every answer
-  equals the other D's colocated answer, and every block is free afterwards;
+  the threshold runs whole on that D (P never sees it, D reports the prefix as cached tokens); a longer turn goes
+  through P to that D, which receives only the KV it does not cache; every answer equals the other D's
+  colocated answer, and every block is free afterwards;
 - a stub answering garbage on /kv_events closes that stream only: the router keeps routing, says so in
   /metrics;
 - a D killed mid-deployment: its stream is lost (logged once, /metrics 0) and routing goes on with the other.
@@ -21,6 +22,8 @@ import httpx
 import pytest
 from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
 from stub_backend import StubBackend
+
+from pdserve.router.tokenizer import RouterTokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -90,11 +93,17 @@ def keys_of(router: Proc, d: Proc) -> float:
     return router_metric(router, f'pdserve_router_kv_index_keys{{instance="{d.url}"}}')
 
 
+def received(d: Proc) -> float:
+    return scrape_metrics(d.url)["pdserve_kv_received_bytes_total"]
+
+
 def test_a_conversation_stays_where_its_prefix_is(dep: Deployment) -> None:
     prompts, answers = [TURN_0], []
+    before = {d.url: received(d) for d in dep.ds}
     first = ask(dep.router.url, TURN_0, "conv-0")
     assert "route=split" in log_line(dep.router, "conv-0")
     home = next(d for d in dep.ds if seen_by(d, "conv-0"))  # the D that served turn 0
+    turn_0_bytes = received(home) - before[home.url]
     answers.append(first["choices"][0]["token_ids"])
     wait_for("the router learned turn 0's blocks on its D", lambda: keys_of(dep.router, home) >= 5)
     # turn 1: 80 cached + 8 answer + 10 new tokens: 18 uncached at home, below 24: whole on home
@@ -108,9 +117,12 @@ def test_a_conversation_stays_where_its_prefix_is(dep: Deployment) -> None:
     wait_for("the router learned turn 1's blocks", lambda: keys_of(dep.router, home) >= 6)
     # turn 2: 40 new tokens, above the threshold: through P, and to home again (its cache)
     prompts.append(prompts[1] + answers[1] + [150 + i for i in range(40)])
+    before_turn_2 = received(home)
     third = ask(dep.router.url, prompts[2], "conv-2")
     line = log_line(dep.router, "conv-2")
     assert "route=split" in line and f"decode={home.url}" in line, line
+    # 146 tokens, 96 of them cached at home: P's KV for those is not sent (~50 tokens moved, vs turn 0's ~80)
+    assert 0 < received(home) - before_turn_2 < turn_0_bytes
     answers.append(third["choices"][0]["token_ids"])
     other = next(d for d in dep.ds if d is not home)
     for i, prompt in enumerate(prompts):  # colocated, on the D that served none of them
@@ -119,6 +131,39 @@ def test_a_conversation_stays_where_its_prefix_is(dep: Deployment) -> None:
     for proc in [dep.p, *dep.ds]:
         m = wait_idle(proc.url)
         assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], proc.name
+
+
+def test_chat_turns_are_hashed_with_the_router_tokenizer(dep: Deployment, tiny_llama: Any) -> None:
+    """The router tokenizes chat as the server does (router/tokenizer.py), so a chat's next turn is predicted to
+    hit the D that served the first and runs whole there."""
+    tok = RouterTokenizer(tiny_llama)
+    system = "You answer briefly. "
+    while len(tok.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": "Q"}])) % 16:
+        system += "x"  # turn 1's prompt is whole blocks, so all of it can be cached
+    first = [{"role": "system", "content": system * 3}, {"role": "user", "content": "Q"}]
+    while len(tok.chat_ids(first)) % 16:
+        first[0]["content"] += "y"
+    second = [*first, {"role": "assistant", "content": ""}, {"role": "user", "content": "?"}]
+    num_first, num_second = len(tok.chat_ids(first)), len(tok.chat_ids(second))
+    assert num_first >= 48 and num_second - num_first < COLOCATE_BELOW <= num_first  # the case's premise
+
+    def chat(messages: list[dict[str, str]], request_id: str) -> dict[str, Any]:
+        body = {"messages": messages, **GREEDY}
+        resp = post(dep.router.url, "/v1/chat/completions", body, {"X-Request-Id": request_id})
+        assert resp.status_code == 200, resp.text
+        return dict(resp.json())
+
+    before = {d.url: keys_of(dep.router, d) for d in dep.ds}
+    chat(first, "chat-0")
+    assert "route=split" in log_line(dep.router, "chat-0")
+    home = next(d for d in dep.ds if seen_by(d, "chat-0"))
+    learned = before[home.url] + num_first // 16
+    wait_for("the router learned chat-0's blocks", lambda: keys_of(dep.router, home) >= learned)
+    answer = chat(second, "chat-1")
+    line = log_line(dep.router, "chat-1")
+    assert "route=whole" in line and f"decode={home.url}" in line, line
+    assert answer["usage"]["prompt_tokens"] == num_second  # the router's count is the server's
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == num_first
 
 
 def test_a_garbage_event_stream_closes_that_stream_only(dep: Deployment) -> None:
