@@ -32,7 +32,10 @@ def bind_port_zero(command: str, host: str, port: int) -> list[socket.socket] | 
     meanwhile gets "connection refused", as before the bind."""
     if port != 0:
         return None
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP (they take
+    # the listener's), and without it an answer written in two parts waits for the client's delayed ACK (~40 ms)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
