@@ -283,12 +283,18 @@ class Scheduler:
             raise RuntimeError(f"request {req.request_id} waits for remote KV without a source in its params")
         self.prefix_cache.take_hits(req)
         # the prefill's first output token comes with KV of the whole prompt, or D computes the last prompt token
-        req.first_token_from_prefill = hands_first_token(source, req.num_prompt_tokens)
-        first_computed = req.num_prompt_tokens - (0 if req.first_token_from_prefill else 1)  # D's first position
+        # (unless its position n needs a block more than the whole pool has: then D computes position n - 1)
+        n = req.num_prompt_tokens
+        req.first_token_from_prefill = (
+            hands_first_token(source, n) and -(-(n + 1) // self.block_size) <= self.pool.num_blocks
+        )
+        first_computed = n - (0 if req.first_token_from_prefill else 1)  # D's first position
         for g, table in enumerate(req.block_tables):  # a windowed group needs only the window before it
             first = self.kv_groups.first_live_block(g, first_computed, self.block_size)
             table.extend([STALE] * (first - len(table)))
-        if not self.tables.allocate_to(req, req.num_prompt_tokens):
+        # blocks up to D's first position: once the KV landed its first step needs no new block, so a pool full
+        # of landed requests always makes progress (the waiting branch of schedule() never preempts)
+        if not self.tables.allocate_to(req, first_computed + 1):
             self.tables.free(req)
             return False
         self.waiting.popleft()

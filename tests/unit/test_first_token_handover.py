@@ -163,3 +163,29 @@ def test_the_token_crosses_the_wire_and_the_ranks() -> None:
     m.add(1, TransferResults(finished_recvs=["a"], first_tokens={"a": 5}))
     out, _ = m.take()
     assert out.finished_recvs == ["a"] and out.first_tokens == {"a": 5}
+
+
+@pytest.mark.parametrize("source", [PULL, PUSH], ids=["pull", "push"])
+def test_a_pool_full_of_landed_requests_still_makes_progress(source: PullSource | PushSource) -> None:
+    """Prompts ending on a block boundary (8 tokens, blocks of 4) park until the pool is full; once their KV
+    landed with P's token, each one's first step must not need a block the pool does not have (the waiting
+    branch never preempts: a request waiting for a block there waits for ever, the engine spinning)."""
+    pool = BlockPool(6, True)
+    s = Scheduler(SchedulerConfig(8, 64), pool, 4, 1024, RecordingConnector(4))
+    if isinstance(source, PullSource):
+        source = dataclasses.replace(source, block_ids=(0, 1), num_tokens=8)
+    assert hands_first_token(source, 8)
+    reqs = [Request(rid, [5 + i] * 8, SamplingParams.greedy(4), (EOS,), source) for i, rid in enumerate("ab")]
+    for r in reqs:
+        s.add(r)
+    assert s.schedule().chunks == []
+    assert [r.status for r in reqs] == [RequestStatus.WAITING_FOR_REMOTE_KV] * 2 and pool.num_free == 0
+    res = TransferResults(finished_recvs=["a", "b"], first_tokens={"a": 42, "b": 43})
+    take_landed(s, res, VOCAB)
+    for _ in range(8):  # every request gets its first decode step and then finishes
+        out = s.schedule()
+        for r in s.update(out, {c.request_id: 7 for c in out.chunks if c.sample}):
+            s.finish(r, "length")  # as the engine does with what update() says stopped
+        if all(r.is_finished for r in reqs):
+            break
+    assert all(r.is_finished for r in reqs) and pool.num_free == 6
