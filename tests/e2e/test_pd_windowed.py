@@ -62,11 +62,12 @@ def completion(url: str, prompt: str) -> tuple[list[int], list[int]]:
 
 
 def expected_bytes(fam: str, num_prompt: int, start: int = 0) -> int:
-    """D computes the last prompt token itself: tokens [start, end) move for a full group (D has [0, start)), and
-    for a windowed group only those of the blocks holding what the query at `end` reads, keys (end - window, end];
-    P and D have equal block sizes, so each group's partial last block moves whole (layout.pad_last_blocks)."""
+    """P hands its first token over, so D computes no prompt token: tokens [start, end = num_prompt) move for a full
+    group (D has [0, start)), and for a windowed group only those of the blocks holding what the query at `end`
+    (the first output token) reads, keys (end - window, end]; P and D have equal block sizes, so each group's
+    partial last block moves whole (layout.pad_last_blocks)."""
     window, token_bytes = SHAPES[fam]
-    end = num_prompt - 1
+    end = num_prompt
     first = max(start, max(0, end - window + 1) // BS * BS)
     sent_end = -(-end // BS) * BS  # the last block whole
     moved_windowed = sent_end - first if end > first else 0
@@ -123,9 +124,10 @@ def test_one_windowed_group_under_tensor_parallelism(fresh_launcher: Launcher, t
 def moved_bytes(num_prompt: int, p_bs: int, d_bs: int, start: int = 0) -> int:
     """Tiny Gemma 3, P and D of different block sizes: the full group moves [start, end); the windowed group moves
     [max(start, P's window block start, D's), end), where each side's window block holds key end - window + 1
-    (P freed the blocks before its own, D never allocated the ones before its own); nothing is padded."""
+    (P freed the blocks before its own, D never allocated the ones before its own); nothing is padded. end is the
+    prompt's length: P hands its first token over, D computes no prompt token."""
     window, token_bytes = SHAPES["gemma3"]
-    end = num_prompt - 1
+    end = num_prompt
     first = max(start, *((end - window + 1) // bs * bs for bs in (p_bs, d_bs)))
     return (max(0, end - start) + max(0, end - first)) * token_bytes
 

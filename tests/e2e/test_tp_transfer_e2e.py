@@ -54,9 +54,9 @@ def test_tp_pd_several_kv_groups(
     received = scrape_metrics(d.url)["pdserve_kv_received_bytes_total"]
     assert received == scrape_metrics(p.url)["pdserve_kv_sent_bytes_total"]
     token_bytes = 2 * 2 * 2 * 16 * 4  # one group: 2 layers x K, V x 2 KV heads x head_dim 16 x float32
-    # D computes token 55 itself: the full group moves blocks [0, 14) (the partial last block whole), the windowed
-    # group only blocks [12, 14), which hold the keys (49, 55] the query at 55 reads
-    full, windowed = 14 * 4, (14 - (55 - 6 + 1) // 4) * 4
+    # D receives all 56 prompt tokens (P hands its first token over): the full group moves blocks [0, 14), the
+    # windowed group only blocks [12, 14), which hold the keys (50, 56] the first output token's query at 56 reads
+    full, windowed = 14 * 4, (14 - (56 - 6 + 1) // 4) * 4
     assert received == (full + windowed) * token_bytes, received
 
 
