@@ -49,12 +49,19 @@ class LoadedModel:
 
 
 def load_model(
-    cfg: ModelConfig, tp_size: int = 1, tp_rank: int = 0, comm: Collectives | None = None, device: str | None = None
+    cfg: ModelConfig,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    comm: Collectives | None = None,
+    device: str | None = None,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load the model `cfg.model` names; raises ConfigError with the known choices when it cannot.
 
     With tp_size > 1 the decoder holds rank `tp_rank`'s part of every weight (model/parallel.py) and runs its
-    collectives through `comm`; `device` overrides cfg.device (rank r of a CUDA instance uses its own GPU)."""
+    collectives through `comm`; `device` overrides cfg.device (rank r of a CUDA instance uses its own GPU).
+    with_tokenizer False: LoadedModel.tokenizer is None (a rank other than 0 never tokenizes, and loading one
+    imports transformers, ~1.5 s of CPU)."""
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     device_, dtype = torch.device(device or cfg.device), TORCH_DTYPES[cfg.dtype]
@@ -64,7 +71,7 @@ def load_model(
         arch = ModelArch.from_hf_config(hf_cfg)
         decoder = build_decoder(arch, device_, dtype, shard_for(arch, tp_size, tp_rank), comm)
         init_dummy_weights(decoder, cfg.seed)
-        tokenizer = None if folder is None else load_tokenizer(folder, arch)
+        tokenizer = None if folder is None or not with_tokenizer else load_tokenizer(folder, arch)
     else:
         name, folder = _weights_folder(cfg.model)
         hf_cfg = _read_config(folder)
@@ -73,7 +80,7 @@ def load_model(
         weights = SafetensorsWeights(folder)
         load_checkpoint(decoder, weights)  # a rank reads only its slices
         _check_all_used(weights, folder)
-        tokenizer = load_tokenizer(folder, arch)
+        tokenizer = load_tokenizer(folder, arch) if with_tokenizer else None
     decoder.eval().requires_grad_(False)
     if device_.type == "cpu":
         use_column_major_linears(decoder)

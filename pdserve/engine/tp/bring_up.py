@@ -21,7 +21,7 @@ from pdserve.model.parallel import Collectives
 class RankCompute:
     """One rank's loaded model and KV cache."""
 
-    loaded: LoadedModel  # this rank's decoder (its shard at TP > 1), tokenizer and architecture
+    loaded: LoadedModel  # this rank's decoder (its shard at TP > 1) and architecture; the tokenizer on rank 0 only
     kv_cache: torch.Tensor  # this rank's cache (kv_cache.allocate_kv_cache), of num_blocks blocks
     num_blocks: int  # blocks of the cache, the same on every rank
     device: torch.device  # where this rank computes
@@ -46,7 +46,10 @@ def bring_up_rank(config: EngineConfig, rank: int, comm: Collectives | None) -> 
     """Load rank `rank`'s shard of config's model (comm: the collectives its decoder uses, None at TP 1) and
     allocate its KV cache slice of as many blocks as config.cache allows on this rank."""
     device = device_of(config, rank)
-    loaded = load_model(config.model, config.parallel.tensor_parallel_size, rank, comm, device)
+    # only rank 0 tokenizes (it schedules and serves HTTP)
+    loaded = load_model(
+        config.model, config.parallel.tensor_parallel_size, rank, comm, device, with_tokenizer=rank == 0
+    )
     dtype = TORCH_DTYPES[config.model.dtype]
     num_kv_heads = loaded.decoder.shard.num_kv_heads  # this rank's
     num_blocks = num_blocks_for(config.cache, loaded.arch, dtype, num_kv_heads)
