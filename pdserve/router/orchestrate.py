@@ -123,7 +123,7 @@ class Orchestrator:
                 return await self._whole(call, "decode", d)
         self.route.metrics.requests["split"] += 1
         if self.mode == "pull":
-            return await self._pull(call, prompt)  # D is chosen when P has answered
+            return await self._pull(call, prompt, d)  # D is chosen when P has answered, unless chosen above
         assert self._push is not None
         p = self.route.used(self.prefill, self.route.choose(self.prefill, prompt))
         d = d or self.route.choose(self.decode, prompt)
@@ -158,7 +158,10 @@ class Orchestrator:
 
     # --- pull -------------------------------------------------------------------------------------------
 
-    async def _pull(self, call: Call, prompt: PromptKeys | None) -> Response:
+    async def _pull(self, call: Call, prompt: PromptKeys | None, d_choice: Choice | None) -> Response:
+        """`d_choice`: D as chosen to decide whether P is needed (--colocate-below), used again after P answers
+        while it is healthy, as push mode does: choosing twice would advance the pool's rotation twice per call,
+        so with two D's every call would land on the same one. None: D is chosen when P has answered."""
         if not self.decode.has_healthy() and self.monitor is not None:
             await self.monitor.check_pool(self.decode)  # the marks may be up to one interval old
         if not self.decode.has_healthy():  # refuse before P spends a prefill (and pins blocks) for nothing
@@ -189,7 +192,9 @@ class Orchestrator:
             log.warning(
                 "request %s: prefill %s returned no kv_transfer_params; decode will prefill", call.request_id, p.url
             )
-        d = self.route.used(self.decode, self.route.choose(self.decode, prompt))  # now: load and cache as P answers
+        if d_choice is None or not d_choice.backend.healthy:
+            d_choice = self.route.choose(self.decode, prompt)  # now: load and cache as P answers
+        d = self.route.used(self.decode, d_choice)
         call.decode_url = d.url
         d_body = {**call.body, "kv_transfer_params": None if kv is None else raw}  # verbatim: see the docstring
         try:
