@@ -3,8 +3,8 @@
     cost(instance) = kv_load_weight * outstanding legs - kv_hit_weight * cached tokens / prompt tokens
 
 `cached tokens` are the instance's leading prompt blocks its prefix index holds (router/kv_index.py, stopping
-at the first miss) times its block size, at most prompt tokens - 1 (the engine always computes the last prompt
-token). So kv_hit_weight is what a fully cached prompt is worth in outstanding legs: with the defaults (hit 2,
+at the first miss) times its block size, counting at most (prompt tokens - 1) // block size whole blocks: the
+engine always computes the last prompt token and reuses whole blocks only (prefix_cache.take_hits). So kv_hit_weight is what a fully cached prompt is worth in outstanding legs: with the defaults (hit 2,
 load 1) an instance holding the whole prompt wins unless it has two more legs in flight than one holding none.
 Ties rotate (policy.Pool.choose). A prompt the router cannot hash (text without a tokenizer, a batch) is
 routed by load alone. A wrong guess costs a prefix miss (a longer prefill), never a wrong answer: the instance
@@ -101,7 +101,8 @@ class KVRoute:
         if inst is None or not inst.usable or inst.block_size is None:
             return 0, 0
         blocks = inst.hit_blocks(prompt.hashes(inst.block_size))
-        return blocks, min(blocks * inst.block_size, max(prompt.num_tokens - 1, 0))
+        blocks = min(blocks, max(prompt.num_tokens - 1, 0) // inst.block_size)  # as prefix_cache.take_hits
+        return blocks, blocks * inst.block_size
 
     def choose(self, pool: Pool, prompt: PromptKeys | None) -> Choice:
         """An instance of `pool` for `prompt` (None: not hashable); `used` records it in /metrics once the

@@ -145,8 +145,9 @@ def test_kv_aware_prefers_the_cache_until_the_load_outweighs_it() -> None:
         assert kv.choose(pool, prompt).backend is b
         with pool.lease(b):  # 2 - 1.85 > 0: a
             assert kv.choose(pool, prompt).backend is a
-    exact = PromptKeys(PROMPT[:12])  # exactly 3 blocks: the last token is always computed, so 11 cached
-    assert kv.choose(pool, exact).hit_tokens == 11
+    exact = PromptKeys(PROMPT[:12])  # exactly 3 blocks: the last token is always computed, and the engine
+    choice = kv.choose(pool, exact)  # reuses whole blocks only (prefix_cache.take_hits): 2 blocks, 8 tokens
+    assert (choice.hit_blocks, choice.hit_tokens) == (2, 8)
 
 
 def test_kv_aware_rotates_ties_and_falls_back_to_load() -> None:
