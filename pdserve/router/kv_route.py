@@ -4,10 +4,12 @@
 
 `cached tokens` are the instance's leading prompt blocks its prefix index holds (router/kv_index.py, stopping
 at the first miss) times its block size, counting at most (prompt tokens - 1) // block size whole blocks: the
-engine always computes the last prompt token and reuses whole blocks only (prefix_cache.take_hits). So kv_hit_weight is what a fully cached prompt is worth in outstanding legs: with the defaults (hit 2,
-load 1) an instance holding the whole prompt wins unless it has two more legs in flight than one holding none.
+engine always computes the last prompt token and reuses whole blocks only (prefix_cache.take_hits). So
+kv_hit_weight is what a fully cached prompt is worth in outstanding legs: with the defaults (hit 2, load 1) an
+instance holding the whole prompt wins unless it has two more legs in flight than one holding none.
 Ties rotate (policy.Pool.choose). A prompt the router cannot hash (text without a tokenizer, a batch) is
-routed by load alone. A wrong guess costs a prefix miss (a longer prefill), never a wrong answer: the instance
+routed by load alone, and so is one holding a token id beyond int64 (router/prompt_tokens.py: the instance
+answers its 400). A wrong guess costs a prefix miss (a longer prefill), never a wrong answer: the instance
 computes whatever it does not hold.
 
 Selective disaggregation (`--colocate-below N`, orchestrate.py) uses the same numbers: a request whose uncached

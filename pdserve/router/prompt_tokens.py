@@ -28,6 +28,8 @@ from pdserve.router.upstream import LegError, get_json
 
 log = logging.getLogger(__name__)
 
+MAX_TOKEN_ID = 2**63 - 1  # kv/block_hashes.py hashes token ids as int64
+
 
 class PromptTokens:
     """Prompt token ids of validated requests, with the router's tokenizer when it has one."""
@@ -36,8 +38,12 @@ class PromptTokens:
         self.tokenizer = tokenizer  # None: text and chat prompts are not hashed
 
     async def keys(self, request: SamplingFields | None) -> PromptKeys | None:
+        """The prompt's block keys to come, or None: routed by load (module docstring). Token ids beyond int64
+        (the hash scheme's width) are None too: no vocabulary holds them, so the instance answers its 400."""
         ids = await self.token_ids(request)
-        return None if ids is None else PromptKeys(ids)
+        if ids is None or (ids and max(ids) > MAX_TOKEN_ID):
+            return None
+        return PromptKeys(ids)
 
     async def token_ids(self, request: SamplingFields | None) -> list[int] | None:
         if isinstance(request, CompletionRequest):
