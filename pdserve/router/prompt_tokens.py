@@ -8,8 +8,10 @@
 
 The tokenizer comes from `--tokenizer FOLDER`, or else from the `root` the first decode (colocated: first)
 instance reports in GET /v1/models when that is a folder on the router's machine holding tokenizer.json; it is
-loaded once, in a worker thread, at the router's start (`load`). A built-in model's root is its name, not a
-folder: pass --tokenizer for it (or send token ids).
+loaded once, in a worker thread, once that instance answers /v1/models (`load`). A built-in model's root is its
+name, not a folder: pass --tokenizer for it (or send token ids). A text (a rendered chat) longer than
+max_model_len x MAX_CHARS_PER_TOKEN characters is not tokenized (the instance refuses it anyway): routed by
+load. Tokenizing runs in a worker thread through `encode_batch`, which releases the GIL.
 """
 
 from __future__ import annotations
@@ -29,13 +31,23 @@ from pdserve.router.upstream import LegError, get_json
 log = logging.getLogger(__name__)
 
 MAX_TOKEN_ID = 2**63 - 1  # kv/block_hashes.py hashes token ids as int64
+MAX_CHARS_PER_TOKEN = 64  # a generous bound (4 x a 16-character token; the server computes its own, model/)
+FALLBACK_MAX_MODEL_LEN = 131_072  # tokens, when the instance does not say its max_model_len
+
+
+def max_text_chars(max_model_len: int | None) -> int:
+    """Characters of text (a prompt, a rendered chat) above which the router does not tokenize it: such a text
+    has more tokens than max_model_len, so the instance refuses it anyway, and tokenizing ~1 MB costs seconds of
+    CPU. Routed by load instead; a bound too low would only cost a prefix miss."""
+    return (max_model_len or FALLBACK_MAX_MODEL_LEN) * MAX_CHARS_PER_TOKEN
 
 
 class PromptTokens:
     """Prompt token ids of validated requests, with the router's tokenizer when it has one."""
 
-    def __init__(self, tokenizer: RouterTokenizer | None) -> None:
+    def __init__(self, tokenizer: RouterTokenizer | None, max_chars: int = max_text_chars(None)) -> None:
         self.tokenizer = tokenizer  # None: text and chat prompts are not hashed
+        self.max_chars = max_chars  # longer texts are not tokenized (max_text_chars)
 
     async def keys(self, request: SamplingFields | None) -> PromptKeys | None:
         """The prompt's block keys to come, or None: routed by load (module docstring). Token ids beyond int64
@@ -49,12 +61,13 @@ class PromptTokens:
         if isinstance(request, CompletionRequest):
             if isinstance(request.prompt, list):
                 return list(request.prompt)
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and len(request.prompt) <= self.max_chars:
                 return await asyncio.to_thread(self._encode, request.prompt)
         elif isinstance(request, ChatCompletionRequest) and self.tokenizer is not None:
             if self.tokenizer.has_chat_template:
                 messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-                return await asyncio.to_thread(self._chat, messages)
+                if sum(len(m["content"]) for m in messages) <= self.max_chars:
+                    return await asyncio.to_thread(self._chat, messages)
         return None
 
     def _encode(self, text: str) -> list[int] | None:
@@ -68,7 +81,10 @@ class PromptTokens:
     def _chat(self, messages: list[dict[str, Any]]) -> list[int] | None:
         assert self.tokenizer is not None
         try:
-            return self.tokenizer.chat_ids(messages)
+            text = self.tokenizer.render_chat(messages)
+            if len(text) > self.max_chars:
+                return None
+            return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
         except Exception as e:  # a template that raises on these messages: the instance answers the 400
             log.debug("cannot render a chat (%s): routed by load", e)
             return None
@@ -77,32 +93,38 @@ class PromptTokens:
 async def load(
     tokenizer: str | None, first_instance: str, session: aiohttp.ClientSession, timeout_s: float, retry_s: float
 ) -> PromptTokens:
-    """The router's PromptTokens: `--tokenizer` when given (an unusable one is logged and ignored), else the
-    folder the instance reports (asked again every `retry_s` until it answers), when it holds a tokenizer on
-    this machine."""
-    folder = tokenizer
-    while folder is None:
+    """The router's PromptTokens, once the first instance answers GET /v1/models (asked again every `retry_s`;
+    the router routes by load meanwhile): its max_model_len bounds the text tokenized (max_text_chars); the
+    tokenizer is `--tokenizer` when given (an unusable one is logged and ignored), else the folder the instance
+    reports, when it holds a tokenizer on this machine."""
+    while True:
         try:
             models = await get_json(session, "decode", first_instance, "/v1/models", timeout_s)
-        except LegError as e:  # not up yet: the router routes by load meanwhile
+            break
+        except LegError as e:  # not up yet
             log.debug("no /v1/models from %s yet (%s)", first_instance, e)
             await asyncio.sleep(retry_s)
-            continue
-        try:
-            folder = models["data"][0]["root"]
-        except (KeyError, IndexError, TypeError):
-            folder = None
-        if not isinstance(folder, str) or not (Path(folder) / "tokenizer.json").is_file():
-            log.info(
-                "the instances' model %r is not a tokenizer folder on this machine: text prompts are routed by load "
-                "(token-id prompts by cache and load); give --tokenizer FOLDER to hash text too",
-                folder,
-            )
-            return PromptTokens(None)
     try:
-        loaded = await asyncio.to_thread(RouterTokenizer, folder)
+        card = models["data"][0]
+        root, max_model_len = card.get("root"), card.get("max_model_len")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        root = max_model_len = None
+    max_chars = max_text_chars(max_model_len if isinstance(max_model_len, int) and max_model_len > 0 else None)
+    folder = tokenizer if tokenizer is not None else root
+    if tokenizer is None and (not isinstance(folder, str) or not (Path(folder) / "tokenizer.json").is_file()):
+        log.info(
+            "the instances' model %r is not a tokenizer folder on this machine: text prompts are routed by load "
+            "(token-id prompts by cache and load); give --tokenizer FOLDER to hash text too",
+            folder,
+        )
+        return PromptTokens(None)
+    try:
+        loaded = await asyncio.to_thread(RouterTokenizer, str(folder))
     except (OSError, ValueError) as e:
         log.error("cannot load the tokenizer in %s: %s; text prompts are routed by load", folder, e)
         return PromptTokens(None)
-    log.info("tokenizer from %s: text and chat prompts are hashed as the instances hash them", folder)
-    return PromptTokens(loaded)
+    log.info(
+        "tokenizer from %s: text and chat prompts up to %d characters are hashed as the instances hash them",
+        folder, max_chars,
+    )  # fmt: skip
+    return PromptTokens(loaded, max_chars)

@@ -8,9 +8,10 @@ tokenizer runs, post-processor and BOS included), the chat template and special 
 environment transformers builds for `apply_chat_template` (sandboxed, trim_blocks, lstrip_blocks, loop
 controls, its `tojson`, `raise_exception` and `strftime_now`; the special tokens as variables). The server does
 `render_chat` then `encode(add_special_tokens=False)` for chat, and `encode(add_special_tokens=True)` for text
-(model/tokenizer.py, server/prepare.py); so does this. tests/router/test_router_tokenizer.py checks it against
-the server's tokenizer. A folder without tokenizer.json (a slow, sentencepiece-only tokenizer) gives no tokenizer:
-its text prompts are routed by load alone. A wrong token id only costs a prefix miss, never a wrong answer.
+(model/tokenizer.py, server/prepare.py); so does this, with truncation and padding off as transformers loads
+it. tests/router/test_router_tokenizer.py checks it against the server's tokenizer. A folder without
+tokenizer.json (a slow, sentencepiece-only tokenizer) gives no tokenizer: its text prompts are routed by load
+alone. A wrong token id only costs a prefix miss, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class RouterTokenizer:
         self.folder = folder  # where it was loaded from, for the log
         try:
             self._tok = Tokenizer.from_file(str(path))
+            self._tok.no_truncation()  # tokenizer.json may carry them; transformers' fast tokenizer drops both
+            self._tok.no_padding()
             config = _read_json(folder / "tokenizer_config.json")
             special = {**config, **_read_json(folder / "special_tokens_map.json")}
         except Exception as e:  # tokenizers raises its own Exception type on a bad file
@@ -82,7 +85,9 @@ class RouterTokenizer:
         return self._template_source is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """The ids of `text`. Through encode_batch, which releases the GIL while it works (single-text encode
+        holds it: a 64 KB text stalled the router's event loop ~100 ms from its worker thread); same ids."""
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The chat followed by the assistant's turn header, as transformers' apply_chat_template(tokenize=False,
