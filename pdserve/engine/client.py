@@ -110,6 +110,9 @@ class EngineStats:
     transfer_hook_seconds: float = 0.0  # engine-thread seconds spent in the connector hooks so far
     num_step_failures: int = 0  # steps that raised; their requests failed, the loop went on
     kv_checksum_failures: int = 0  # --kv-checksum: recvs whose KV did not match P's sums (failed or recomputed)
+    num_requests_started: int = 0  # requests that left the waiting queue here, each once (engine/admissions.py)
+    num_prompt_tokens: int = 0  # their prompt tokens
+    num_prefix_hit_tokens: int = 0  # of those, tokens this instance's own prefix cache served (received KV is not)
     ttft_seconds: list[float] = field(default_factory=list)  # observations drained since the last stats()
     transfer_seconds: list[float] = field(default_factory=list)  # drained since the last stats()
     transfer_descriptors: list[int] = field(default_factory=list)  # per posted READ/WRITE, drained likewise

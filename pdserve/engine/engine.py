@@ -294,6 +294,9 @@ class LLMEngine:
             num_engine_steps=self.num_steps,
             transfer_hook_seconds=self.transfer_hook_seconds,
             num_step_failures=self.num_step_failures,
+            num_requests_started=s.admitted.num_requests,
+            num_prompt_tokens=s.admitted.num_prompt_tokens,
+            num_prefix_hit_tokens=s.admitted.num_prefix_hit_tokens,
             side_channel_refused=dict(t.side_channel_refused),
         )
 

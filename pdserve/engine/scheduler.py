@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from pdserve.config import SchedulerConfig
+from pdserve.engine.admissions import AdmissionCounts
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.prefix_cache import PrefixCache
@@ -50,6 +51,7 @@ class Scheduler:
         self.cache_received_kv = cache_received_kv
         self.tables = BlockTables(pool, block_size, self.kv_groups)  # requests' blocks per KV group
         self.prefix_cache = PrefixCache(pool, block_size, self.kv_groups)  # hits at admission, blocks after steps
+        self.admitted = AdmissionCounts()  # requests, prompt tokens and prefix hits, each request once (/metrics)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}  # D: blocks allocated, KV in flight
@@ -215,7 +217,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            req.has_started = True
+            self.admitted.start(req)
             req.mark("scheduled")
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_new))
@@ -299,7 +301,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        req.has_started = True
+        self.admitted.start(req)
         self.waiting_for_kv[req.request_id] = req
         self.connector.on_blocks_allocated(
             req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens, source,

@@ -4,6 +4,7 @@ The names are a contract (tests, dashboards and the reliability work read them);
 gauges   pdserve_kv_blocks_total, pdserve_kv_blocks_free, pdserve_requests_running,
          pdserve_requests_waiting, pdserve_requests_waiting_for_kv
 counters pdserve_kv_sent_bytes_total, pdserve_kv_received_bytes_total, pdserve_kv_transfers_total{result},
+         pdserve_requests_started_total, pdserve_prompt_tokens_total, pdserve_prefix_cache_hit_tokens_total,
          pdserve_side_channel_refused_total{reason},
          pdserve_engine_steps_total, pdserve_engine_step_failures_total, pdserve_engine_transfer_hook_seconds_total
 histos   pdserve_time_to_first_token_seconds, pdserve_kv_transfer_seconds, pdserve_kv_transfer_descriptors
@@ -45,6 +46,17 @@ GAUGES = (  # metric name, EngineStats field, help
 COUNTERS = (  # metric name without _total, EngineStats field, help
     ("pdserve_kv_sent_bytes", "kv_sent_bytes", "KV bytes this instance sent (pushed or had read by a peer)"),
     ("pdserve_kv_received_bytes", "kv_received_bytes", "KV bytes this instance received"),
+    (
+        "pdserve_requests_started",
+        "num_requests_started",
+        "Requests that left the waiting queue (scheduled, or parked for remote KV); each counted once",
+    ),
+    ("pdserve_prompt_tokens", "num_prompt_tokens", "Prompt tokens of the requests started here"),
+    (
+        "pdserve_prefix_cache_hit_tokens",
+        "num_prefix_hit_tokens",
+        "Of those prompt tokens, the ones this instance's own prefix cache served (received KV is not a hit)",
+    ),
     ("pdserve_engine_steps", "num_engine_steps", "Engine loop steps"),
     ("pdserve_engine_step_failures", "num_step_failures", "Engine steps that raised (their requests failed)"),
     (

@@ -32,6 +32,9 @@ METRIC_NAMES = [
     "pdserve_time_to_first_token_seconds_bucket",
     "pdserve_kv_transfer_seconds_count",
     "pdserve_kv_transfer_seconds_bucket",
+    "pdserve_requests_started_total",
+    "pdserve_prompt_tokens_total",
+    "pdserve_prefix_cache_hit_tokens_total",
 ]
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -147,6 +150,17 @@ def test_metrics_names(server: Proc) -> None:
     assert "# TYPE pdserve_kv_transfers_total counter" in text
     assert "# TYPE pdserve_kv_blocks_free gauge" in text
     assert "# TYPE pdserve_time_to_first_token_seconds histogram" in text
+    # a prompt of 40 token ids sent twice: the second time 2 of its 16-token blocks come from the prefix cache
+    prompt = [3 + (11 * i) % 200 for i in range(40)]
+    before = wait_idle(server.url)
+    for _ in range(2):
+        assert post(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 2, **GREEDY}).status_code == 200
+    after = wait_idle(server.url)
+    delta = {
+        k: after[f"pdserve_{k}_total"] - before[f"pdserve_{k}_total"]
+        for k in ("requests_started", "prompt_tokens", "prefix_cache_hit_tokens")
+    }
+    assert delta == {"requests_started": 2, "prompt_tokens": 80, "prefix_cache_hit_tokens": 32}, delta
 
 
 def test_stream_disconnect_aborts_and_frees_blocks(server: Proc) -> None:

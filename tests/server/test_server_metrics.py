@@ -83,3 +83,12 @@ def test_engine_loop_counters() -> None:
     got = samples(render(make_registry(lambda: stats(num_engine_steps=7, transfer_hook_seconds=0.25))).decode())
     assert got["pdserve_engine_steps_total"] == 7
     assert got["pdserve_engine_transfer_hook_seconds_total"] == 0.25
+
+
+def test_admission_counters() -> None:
+    admitted = stats(num_requests_started=3, num_prompt_tokens=120, num_prefix_hit_tokens=32)
+    text = render(make_registry(lambda: admitted)).decode()
+    got = samples(text)
+    assert got["pdserve_requests_started_total"] == 3 and got["pdserve_prompt_tokens_total"] == 120
+    assert got["pdserve_prefix_cache_hit_tokens_total"] == 32
+    assert "# TYPE pdserve_prefix_cache_hit_tokens_total counter" in text
