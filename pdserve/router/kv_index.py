@@ -37,6 +37,31 @@ class KVIndexError(ValueError):
     """An answer that cannot be applied to the index (the message says why); the index is then unusable."""
 
 
+class HashSchemeError(KVIndexError):
+    """A snapshot hashed with another scheme: that instance is not followed until its epoch changes."""
+
+    def __init__(self, message: str, epoch: str) -> None:
+        super().__init__(message)
+        self.epoch = epoch  # the instance process whose scheme differs
+
+
+@dataclass(frozen=True)
+class SnapshotKeys:
+    """A snapshot's keys as an index holds them (group 0 only, the cap applied), built by `snapshot_keys` off the
+    event loop and swapped in by `InstanceIndex.apply`."""
+
+    keys: OrderedDict[BlockHash, None]  # in the snapshot's order (its last keys kept when over the cap)
+    num_evicted: int  # keys dropped for the cap
+
+
+def snapshot_keys(keys: Sequence[bytes], max_keys: int) -> SnapshotKeys:
+    group0 = [k for k in keys if len(k) == GROUP0_KEY_BYTES]  # a windowed group's keys are skipped
+    num_evicted = max(len(group0) - max_keys, 0)
+    # a generator, not OrderedDict.fromkeys: run in a worker thread, its bytecode lets the event loop's thread
+    # take the GIL between keys (fromkeys is one C call: 262k keys held it ~0.2-0.9 s)
+    return SnapshotKeys(OrderedDict((k, None) for k in group0[num_evicted:]), num_evicted)
+
+
 @dataclass(frozen=True)
 class IndexState:
     """What /metrics and the log say about one instance's index."""
@@ -78,24 +103,27 @@ class InstanceIndex:
         self.epoch = self.seq = self.block_size = None
         self.usable = False
 
-    def apply(self, answer: KVEventsAnswer) -> None:
-        """Apply one decoded /kv_events answer; raises KVIndexError (after resetting) when it cannot be."""
+    def apply(self, answer: KVEventsAnswer, built: SnapshotKeys | None = None) -> None:
+        """Apply one decoded /kv_events answer (a snapshot's keys may come `built` by snapshot_keys); raises
+        KVIndexError (after resetting) when it cannot be."""
         try:
-            self._apply(answer)
+            self._apply(answer, built)
         except KVIndexError:
             self.reset()
             raise
 
-    def _apply(self, answer: KVEventsAnswer) -> None:
+    def _apply(self, answer: KVEventsAnswer, built: SnapshotKeys | None) -> None:
         snap = answer.snapshot
         if snap is not None:
             if snap.hash_scheme != HASH_SCHEME:
-                raise KVIndexError(
+                raise HashSchemeError(
                     f"instance {self.url} hashes its blocks with {snap.hash_scheme}, this router with {HASH_SCHEME} "
-                    "(another pdserve version?): its cache is not scored (load only) until it matches"
+                    "(another pdserve version?): its cache is not scored (load only) until it restarts with ours",
+                    answer.epoch,
                 )
-            self._keys.clear()
-            self._store(snap.keys)
+            built = built or snapshot_keys(snap.keys, self.max_keys)
+            self._keys = built.keys
+            self.num_evicted += built.num_evicted
             self.epoch, self.seq, self.block_size = answer.epoch, answer.seq, snap.block_size
             self.usable = snap.prefix_caching
             return
@@ -151,12 +179,12 @@ class KVIndex:
     def get(self, url: str) -> InstanceIndex | None:
         return self.instances.get(url)
 
-    def apply(self, url: str, answer: KVEventsAnswer) -> bool:
+    def apply(self, url: str, answer: KVEventsAnswer, built: SnapshotKeys | None = None) -> bool:
         """Apply `answer` to `url`'s index; False (and nothing changes) when `url` is not a known instance.
         Raises KVIndexError as InstanceIndex.apply does."""
         index = self.instances.get(url)
         if index is None:
             self.num_ignored += 1
             return False
-        index.apply(answer)
+        index.apply(answer, built)
         return True

@@ -127,3 +127,29 @@ async def get_json(session: aiohttp.ClientSession, leg: str, url: str, path: str
             return await resp.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         raise _unreachable(leg, url, e) from e
+
+
+async def get_bytes(
+    session: aiohttp.ClientSession,
+    leg: str,
+    url: str,
+    path: str,
+    params: dict[str, str],
+    timeout_s: float,
+    max_bytes: int,
+) -> bytes:
+    """GET url+path?params (URL-encoded) within `timeout_s` and return the body, read up to `max_bytes`; raises
+    LegError, also for a longer body (the connection is then closed unread)."""
+    try:
+        async with session.get(url + path, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                raise await _fail_from_response(leg, url, resp)
+            body = bytearray()
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > max_bytes:
+                    resp.close()
+                    raise LegError(leg, url, f"{leg} answer from {url} is longer than {max_bytes} bytes")
+            return bytes(body)
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise _unreachable(leg, url, e) from e
