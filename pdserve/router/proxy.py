@@ -15,7 +15,6 @@ The router speaks HTTP only: it imports neither engine nor model nor torch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -117,10 +116,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if state.is_kv_aware:
 
         async def load_tokenizer() -> None:
-            orchestrator.prompts = await prompt_tokens.load(
-                config.tokenizer, state.decode.backends[0].url, session, config.health_timeout_s,
-                config.health_interval_s,
-            )  # fmt: skip
+            try:
+                orchestrator.prompts = await prompt_tokens.load(
+                    config.tokenizer, state.decode.backends[0].url, session, config.health_timeout_s,
+                    config.health_interval_s,
+                )  # fmt: skip
+            except Exception:  # said now, not at shutdown: text prompts stay routed by load
+                log.exception("loading the router's tokenizer failed: text prompts are routed by load")
 
         tokenizer_task = asyncio.create_task(load_tokenizer(), name="router-tokenizer")
     monitor.start()  # these three are stopped below, before the session closes
@@ -128,10 +130,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if tokenizer_task is not None:
+        if tokenizer_task is not None:  # never raises here: the streams, monitor and session must still stop
             tokenizer_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await tokenizer_task
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                log.exception("the router's tokenizer task failed")
         await streams.stop()
         await monitor.stop()
         await session.close()
