@@ -30,10 +30,11 @@ from pdserve.bench.metrics import format_quarters, parse_goodput
 from pdserve.bench.phases import PHASES, phase_medians
 from pdserve.bench.timeline import fetch, save
 from pdserve.bench.tokenizer import Vocab, load_vocab
+from pdserve.router.policy import POLICIES
 
 MODES = ("push", "pull", "colocated")
 DEFAULT_MODES = ("push", "pull")
-ROUTINGS = ("least-loaded", "round-robin", "kv-aware")  # `pdserve proxy --routing` values
+ROUTINGS = POLICIES  # `pdserve proxy --routing` values (router/policy.py: pure, no HTTP)
 
 
 @dataclass(frozen=True)
