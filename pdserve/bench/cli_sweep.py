@@ -14,6 +14,7 @@ from pathlib import Path
 from pdserve.arg_types import comma_list, non_negative_int, percent, positive_float, positive_int, rate, unit_interval
 from pdserve.bench import workload
 from pdserve.bench.deploy import ServerOptions
+from pdserve.bench.instances import instances_table
 from pdserve.bench.phases import phases_summary
 from pdserve.bench.sweep import DEFAULT_MODES, MODES, ROUTINGS, Endpoints, Sweep, SweepConfig, summary_table
 
@@ -275,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
     phases = phases_summary([json.loads(p.read_text()) for p in paths])
     if phases:
         print(phases)
+    instances = instances_table([json.loads(p.read_text()) for p in paths])
+    if instances:
+        print(instances)
     print(f"{len(paths)} results in {cfg.results_dir}")
     if cfg.find_max_goodput:
         report_max_goodput(paths, cfg)

@@ -6,7 +6,8 @@ With goodput SLOs every point's JSON has `request_goodput` and `slo_attainment`.
 after the first rate whose SLO attainment (pooled over its iterations) falls below the threshold.
 
 Every point writes `<results_dir>/<mode>_qps<q>_in<in>_out<out>_iter<i>.json` (the bench result plus `mode`,
-`qps`, `iteration`) and a `.log` beside it. Servers' own logs go to `<results_dir>/servers/`. Points of
+`qps`, `iteration`; per instance its prefix hits and KV bytes over the point: bench/instances.py) and a `.log`
+beside it. Servers' own logs go to `<results_dir>/servers/`. Points of
 both modes use the same seeds, so push and pull see the same prompts; within a mode every point has its
 own prompts and request ids, so the prefill instance's prefix cache never shortcuts a run.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from pdserve.bench import cli_bench
 from pdserve.bench.deploy import Deployment, ServerOptions
+from pdserve.bench.instances import PointCounters, instances_of
 from pdserve.bench.metrics import format_quarters, parse_goodput
 from pdserve.bench.phases import PHASES, phase_medians
 from pdserve.bench.timeline import fetch, save
@@ -286,6 +288,9 @@ class Sweep:
         seed = cfg.seed + 1000 * index  # equal across modes: push and pull get the same prompts
         argv = bench_argv(cfg, ends.router_url, point, seed, f"{mode}-{index}")
         args = _parse_bench(argv)
+        instances = instances_of(ends.prefill_urls, ends.decode_urls, ends.instance_urls)
+        counters = PointCounters(instances, lambda line: self.log(f"[{mode}] {line}"))
+        counters.start()  # every instance's counters right before the point (bench/instances.py)
         with open(cfg.results_dir / f"{stem}.log", "w") as log_file:
             log_file.write("$ pdserve bench " + " ".join(argv) + "\n")
             result = asyncio.run(cli_bench.benchmark(args, self.vocab(), log=lambda s: print(s, file=log_file)))
@@ -294,6 +299,7 @@ class Sweep:
         if arm.routing is not None:
             result.update(transfer_mode=arm.mode, routing=arm.routing)
         result.update(self._phases(arm.mode, ends, result))
+        result.update(counters.finish(result["completed"]))
         path = cfg.results_dir / f"{stem}.json"
         path.write_text(json.dumps(result, indent=1))
         self.written.append(path)

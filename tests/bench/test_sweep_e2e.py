@@ -60,9 +60,18 @@ def test_sweep_writes_exactly_the_named_files(tiny_model: Path, tmp_path: Path, 
             # where the time went: every phase of the mode, for every request (bench/phases.py)
             assert r["phase_counts"] == {label: 3 for label, _, _ in PHASES[r["mode"]]}, r["phase_counts"]
             assert all(v >= 0 for v in r["phase_medians_ms"].values())
+            # each instance's counters over the point (bench/instances.py): the warm-up is not in them
+            p, d = r["instances"]
+            assert (p["role"], d["role"], p["requests"], d["requests"]) == ("prefill", "decode", 3, 3), r["instances"]
+            assert p["prompt_tokens"] == d["prompt_tokens"] == sum(r["input_lens"]) > 0, r["instances"]
+            assert 0 <= p["prefix_hit_tokens"] <= p["prompt_tokens"] and d["prefix_hit_tokens"] == 0  # D: no cache
+            assert p["kv_sent_bytes"] == d["kv_received_bytes"] > 0 and p["kv_received_bytes"] == 0, r["instances"]
+            assert r["kv_bytes_per_request"] == d["kv_received_bytes"] / 3
+            assert r["prefix_hit_rate"] == p["prefix_hit_tokens"] / (2 * p["prompt_tokens"])
         else:
             assert "pdserve bench" in (results / name).read_text()
     assert "push/pull" in output and "where the time to first token goes" in output and "hand-over" in output
+    assert "per instance (deltas over the point)" in output and "D1 3 req, hit 0%" in output
     _assert_no_process_left(find, marker)
 
 
