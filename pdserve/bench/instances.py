@@ -139,9 +139,11 @@ def instances_table(results: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _instance_cell(index: int, i: Mapping[str, Any]) -> str:
-    """`D1 4 req, hit 50%, in 12.0 KiB`: role letter and position, requests, hit rate, KV bytes received."""
+    """`D1 4 req, hit 50%, in 12.0 KiB`: role letter and position, requests, hit rate, KV bytes received (a
+    prefill instance: `out`, bytes sent)."""
     role = i["role"][0].upper()
-    return f"{role}{index} {i['requests']} req, hit {_pct(i['hit_rate'])}, in {_kib(i['kv_received_bytes'])}"
+    moved = f"out {_kib(i['kv_sent_bytes'])}" if i["role"] == "prefill" else f"in {_kib(i['kv_received_bytes'])}"
+    return f"{role}{index} {i['requests']} req, hit {_pct(i['hit_rate'])}, {moved}"
 
 
 def _pct(value: float | None) -> str:

@@ -31,7 +31,8 @@ def test_deltas_bytes_per_request_and_pooled_hit_rate() -> None:
     assert got["kv_bytes_per_request"] == 1000.0  # (2000 + 2000) bytes D received / 4 completed
     assert got["prefix_hit_rate"] == 250 / 800
     table = instances_table([{"qps": "inf", "input_len": 16, "output_len": 4, "mode": "pull", **got}])
-    assert "KV/req 1.0 KiB, hit 31%" in table and "P0 4 req, hit 25%" in table and "D1 2 req, hit 75%" in table
+    assert "KV/req 1.0 KiB, hit 31%" in table and "P0 4 req, hit 25%, out 3.9 KiB" in table
+    assert "D1 2 req, hit 75%, in 2.0 KiB" in table
 
 
 def test_an_instance_without_the_counters_and_nothing_completed() -> None:
