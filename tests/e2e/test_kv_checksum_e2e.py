@@ -6,7 +6,9 @@ counts them, and every block is free afterwards on both sides."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import Launcher, post, scrape_metrics, wait_idle
@@ -22,12 +24,33 @@ def _body(prompt: str) -> dict:
     return {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
 
+@pytest.fixture(scope="module")
+def reference(launcher: Launcher, tiny_llama: Path) -> Callable[[], list[dict[str, Any]]]:
+    """The colocated TP 1 answer's choice to each prompt, asked for once: one reference instance for both cases,
+    started here and waited for at the first call (it loads alongside the first case's instances)."""
+    ref = launcher.serve(tiny_llama, name="ref")
+    choices: list[dict[str, Any]] = []
+
+    def want() -> list[dict[str, Any]]:
+        if not choices:
+            launcher.wait_ready()
+            choices.extend(post(ref.url, "/v1/completions", _body(t)).json()["choices"][0] for t in PROMPTS)
+        return choices
+
+    return want
+
+
 @pytest.mark.parametrize(("mode", "p_tp", "d_tp", "policy"), [("pull", 2, 1, "fail"), ("push", 1, 2, "recompute")])
 def test_flip_is_caught(
-    fresh_launcher: Launcher, tiny_llama: Path, mode: str, p_tp: int, d_tp: int, policy: str
+    fresh_launcher: Launcher,
+    tiny_llama: Path,
+    reference: Callable[[], list[dict[str, Any]]],
+    mode: str,
+    p_tp: int,
+    d_tp: int,
+    policy: str,
 ) -> None:
     on = ("--kv-transfer", mode, "--kv-checksum")
-    ref = fresh_launcher.serve(tiny_llama, name="ref")
     p = fresh_launcher.serve(tiny_llama, "--kv-role", "prefill", "--tensor-parallel-size", str(p_tp), *on, name="p")
     d_args = ("--kv-role", "decode", "--tensor-parallel-size", str(d_tp), *on, "--kv-load-failure-policy", policy)
     d_ok = fresh_launcher.serve(tiny_llama, *d_args, name="d_ok")
@@ -35,7 +58,7 @@ def test_flip_is_caught(
     fresh_launcher.wait_ready()
     to_ok, to_bad = fresh_launcher.proxy(mode, [p], [d_ok]), fresh_launcher.proxy(mode, [p], [d_bad])
     fresh_launcher.wait_ready()
-    want = [post(ref.url, "/v1/completions", _body(t)).json()["choices"][0] for t in PROMPTS]
+    want = reference()
     for prompt, ref_choice in zip(PROMPTS, want, strict=True):
         got = post(to_ok.url, "/v1/completions", _body(prompt))
         assert got.status_code == 200, got.text

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import Launcher, Proc, post, scrape_metrics, wait_idle
@@ -23,19 +25,39 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BODY = {"prompt": "The quick brown fox jumps over the lazy dog; " * 2, "max_tokens": 6, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+GEMMA_COMMON = ("--num-gpu-blocks", "64", "--block-size", "4")
+GEMMA_BODY = {**BODY, "prompt": "sliding windows: " + "abcdefgh" * 4 + "abcdef", "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(launcher: Launcher, tiny_model_dirs: dict[str, Path]) -> Callable[[], dict[str, Any]]:
+    """The colocated TP 1 answer's choice to GEMMA_BODY, asked for once: one reference instance for every case,
+    started here and waited for at the first call (it loads alongside the first case's instances)."""
+    ref = launcher.serve(tiny_model_dirs["gemma3"], *GEMMA_COMMON, name="gemma_ref")
+    choices: list[dict[str, Any]] = []
+
+    def want() -> dict[str, Any]:
+        if not choices:
+            launcher.wait_ready()
+            choices.append(post(ref.url, "/v1/completions", GEMMA_BODY).json()["choices"][0])
+        return choices[0]
+
+    return want
 
 
 @pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("pull", 2, 1), ("push", 2, 1), ("push", 1, 2)])
 def test_tp_pd_several_kv_groups(
-    fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path], mode: str, p_tp: int, d_tp: int
+    fresh_launcher: Launcher,
+    tiny_model_dirs: dict[str, Path],
+    gemma_reference: Callable[[], dict[str, Any]],
+    mode: str,
+    p_tp: int,
+    d_tp: int,
 ) -> None:
     """Tiny Gemma 3 (layers 0, 2: window 6; layers 1, 3: full; block size 4) across TP sizes, a prompt of 56
     tokens: == colocated TP 1 token for token; what D's ranks received is what P's ranks sent, and no more than
     the colocated prompt's KV (the windowed group moves only its window); every block free afterwards."""
-    model = tiny_model_dirs["gemma3"]
-    common = ("--num-gpu-blocks", "64", "--block-size", "4")
-    body = {**BODY, "prompt": "sliding windows: " + "abcdefgh" * 4 + "abcdef", "max_tokens": 12}
-    ref = fresh_launcher.serve(model, *common, name="ref")
+    model, common, body = tiny_model_dirs["gemma3"], GEMMA_COMMON, GEMMA_BODY
     p = fresh_launcher.serve(model, *common, "--kv-transfer", mode, "--kv-role", "prefill",
                              "--tensor-parallel-size", str(p_tp), name="p")  # fmt: skip
     d = fresh_launcher.serve(model, *common, "--kv-transfer", mode, "--kv-role", "decode",
@@ -43,7 +65,7 @@ def test_tp_pd_several_kv_groups(
     fresh_launcher.wait_ready()
     router = fresh_launcher.proxy(mode, [p], [d])
     fresh_launcher.wait_ready()
-    want = post(ref.url, "/v1/completions", body).json()["choices"][0]
+    want = gemma_reference()
     got = post(router.url, "/v1/completions", body)
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["token_ids"] == want["token_ids"]
