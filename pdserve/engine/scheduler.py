@@ -4,7 +4,7 @@ Every step each scheduled request's num_computed_tokens catches up with its toke
 token budget (chunked prefill); decodes and prefill chunks share one batch. When blocks run out the newest
 running request is preempted by recompute. P/D adds one status, WAITING_FOR_REMOTE_KV: a decode-side request
 holds its blocks there until its KV has landed; then it has its first output token from the prefill (appended
-at once) or computes only its last prompt token.
+at once) or computes only its last prompt token. Those parked requests are remote_kv_wait.py's.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from pdserve.engine.admissions import AdmissionCounts
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.block_tables import BlockTables
 from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.remote_kv_wait import RemoteKVWaits
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from pdserve.kv.groups import STALE, KVGroups
-from pdserve.kv.params import PullSource, PushSource, hands_first_token
+from pdserve.kv.groups import KVGroups
+from pdserve.kv.params import PullSource, PushSource
 from pdserve.transfer.base import ConnectorScheduler
 
 
@@ -35,7 +36,7 @@ class Scheduler:
         max_model_len: int,
         connector: ConnectorScheduler,
         kv_groups: KVGroups | None = None,  # default: one group of full-attention layers
-        cache_received_kv: bool = True,  # D: KV received from a prefill may enter the prefix cache (see below)
+        cache_received_kv: bool = True,  # D: KV received from a prefill may enter the prefix cache (remote_kv_wait.py)
     ) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -43,20 +44,20 @@ class Scheduler:
         self.kv_groups = kv_groups or KVGroups.of((), 1)
         self.max_model_len = max_model_len
         self.connector = connector
-        # True only where received KV is proven to be of the request's prompt (a deployment secret: D checked P's
-        # signed digest of the tokens). Without that proof a client could pair its prompt with another prompt's
-        # KV; registering those blocks under its prompt's hashes would serve them to every later request with
-        # that prefix. Unproven KV serves its own request only (which runs on what its client pointed it at);
-        # later requests get their prompt's KV moved again, so their greedy output is unchanged.
-        self.cache_received_kv = cache_received_kv
         self.tables = BlockTables(pool, block_size, self.kv_groups)  # requests' blocks per KV group
         self.prefix_cache = PrefixCache(pool, block_size, self.kv_groups)  # hits at admission, blocks after steps
         self.admitted = AdmissionCounts()  # requests, prompt tokens and prefix hits, each request once (/metrics)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.waiting_for_kv: dict[str, Request] = {}  # D: blocks allocated, KV in flight
+        # D: requests parked until their KV lands, and those aborted meanwhile (remote_kv_wait.py);
+        # cache_received_kv: whether received KV may enter the prefix cache (RemoteKVWaits.cache_received_kv)
+        self.remote_kv = RemoteKVWaits(
+            pool, block_size, max_model_len, self.kv_groups, connector, self.tables, self.prefix_cache,
+            self.admitted, self.waiting, cache_received_kv,
+        )  # fmt: skip
+        self.waiting_for_kv = self.remote_kv.waiting_for_kv  # D: blocks allocated, KV in flight (the same dict)
         self.pinned: dict[str, Request] = {}  # P: finished, blocks kept until the consumer is done
-        self.aborting: dict[str, Request] = {}  # D: aborted while KV in flight; blocks freed on cancel ack
+        self.aborting = self.remote_kv.aborting  # D: aborted while KV in flight; blocks freed on cancel ack
         self.requests: dict[str, Request] = {}  # every unfinished request by id
 
     # ---- life cycle -------------------------------------------------------------------------------------
@@ -104,11 +105,8 @@ class Scheduler:
         if req is None:
             return None
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            del self.waiting_for_kv[request_id]
             del self.requests[request_id]
-            req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-            self.aborting[request_id] = req
-            self.connector.on_recv_aborted(request_id)
+            self.remote_kv.abort(req)
             return req
         self.finish(req, "abort")
         return req
@@ -139,44 +137,14 @@ class Scheduler:
         first_token: the prefill's first output token, given for a request that takes it (first_token_from_prefill:
         its KV covers the whole prompt). That token is appended as a sampled one is (stop conditions included) and
         the request returned, for the engine to emit it before the next step; None when there is none."""
-        if (req := self.aborting.pop(request_id, None)) is not None:
-            self.tables.free(req)
-            return None
-        req = self.waiting_for_kv.pop(request_id)
-        req.remote_kv_ready = True
-        req.kv_valid_from = list(landed_from)
-        req.cache_blocks = self.cache_received_kv
-        req.num_cached_tokens = req.num_computed_tokens = req.num_prompt_tokens - (0 if first_token is not None else 1)
-        req.status = RequestStatus.WAITING
-        req.mark("kv_received")
-        self.waiting.appendleft(req)
-        if first_token is None:
-            return None
-        self.prefix_cache.cache_full_blocks(req)  # as a step would (one that stops at this token never steps)
-        req.append_output(first_token, self.max_model_len)
-        return req
+        return self.remote_kv.on_received(request_id, landed_from, first_token)
 
     def on_kv_failed(self, request_id: str, recompute: bool) -> Request | None:
         """KV will not arrive (blocks are safe to reuse). Recompute locally, or return the request to fail."""
-        if (req := self.aborting.pop(request_id, None)) is not None:
-            self.tables.free(req)
-            return None
-        req = self.waiting_for_kv.pop(request_id)
-        req.status = RequestStatus.WAITING
-        if recompute:
-            req.needs_remote_kv = False
-            req.num_cached_tokens = req.num_computed_tokens  # only D's own prefix-cache hits are valid
-            if self.kv_groups.is_windowed:  # its windowed tables are STALE where the prompt is recomputed
-                self.tables.free(req)  # start over (prefix hits are taken again when it is scheduled)
-                req.num_computed_tokens = req.num_cached_tokens = req.num_hashed_blocks = 0
-            self.waiting.appendleft(req)
-            return None
-        self.waiting.appendleft(req)  # finish() removes it from waiting
-        return req
+        return self.remote_kv.on_failed(request_id, recompute)
 
     def on_recv_cancelled(self, request_id: str) -> None:
-        if (req := self.aborting.pop(request_id, None)) is not None:
-            self.tables.free(req)
+        self.remote_kv.on_cancelled(request_id)
 
     def on_send_finished(self, request_id: str) -> None:
         if (req := self.pinned.pop(request_id, None)) is not None:
@@ -205,7 +173,7 @@ class Scheduler:
         ):
             req = self.waiting[0]
             if req.needs_remote_kv and not req.remote_kv_ready:
-                if not self._park_for_remote_kv(req):
+                if not self.remote_kv.park(req):
                     break
                 continue
             if not req.block_ids:
@@ -277,34 +245,3 @@ class Scheduler:
         req.needs_remote_kv = False  # its KV is gone; recompute locally
         req.num_preemptions += 1
         self.waiting.appendleft(req)
-
-    def _park_for_remote_kv(self, req: Request) -> bool:
-        """D: allocate blocks for the whole prompt (prefix hits first) and wait for the rest to be written."""
-        source = req.kv_transfer_params
-        if not isinstance(source, PullSource | PushSource):
-            raise RuntimeError(f"request {req.request_id} waits for remote KV without a source in its params")
-        self.prefix_cache.take_hits(req)
-        # the prefill's first output token comes with KV of the whole prompt, or D computes the last prompt token
-        # (unless its position n needs a block more than the whole pool has: then D computes position n - 1)
-        n = req.num_prompt_tokens
-        req.first_token_from_prefill = (
-            hands_first_token(source, n) and -(-(n + 1) // self.block_size) <= self.pool.num_blocks
-        )
-        first_computed = n - (0 if req.first_token_from_prefill else 1)  # D's first position
-        for g, table in enumerate(req.block_tables):  # a windowed group needs only the window before it
-            first = self.kv_groups.first_live_block(g, first_computed, self.block_size)
-            table.extend([STALE] * (first - len(table)))
-        # blocks up to D's first position: once the KV landed its first step needs no new block, so a pool full
-        # of landed requests always makes progress (the waiting branch of schedule() never preempts)
-        if not self.tables.allocate_to(req, first_computed + 1):
-            self.tables.free(req)
-            return False
-        self.waiting.popleft()
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.admitted.start(req)
-        self.waiting_for_kv[req.request_id] = req
-        self.connector.on_blocks_allocated(
-            req.request_id, list(req.block_ids), req.num_computed_tokens, req.num_prompt_tokens, source,
-            block_tables=self.tables.for_transfer(req), with_last_token=req.first_token_from_prefill,
-        )  # fmt: skip
-        return True

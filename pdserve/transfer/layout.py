@@ -170,7 +170,7 @@ def pad_last_blocks(local: CacheGeometry, remote: CacheGeometry, segments: list[
     where it is safe, because every byte written past the transferred tokens is a row of D's own that D writes
     before anything reads it:
     - the destination block belongs to this request alone. D allocates every block from the first transferred
-      token on fresh (Scheduler._park_for_remote_kv: prefix hits are whole blocks and come before start_token,
+      token on fresh (RemoteKVWaits.park: prefix hits are whole blocks and come before start_token,
       which is block aligned; the rest is pool.allocate, no hash and one owner). A padded block holds the last
       transferred token, so it lies after the hits and is shared with no one; D hashes a block for its prefix
       cache only once it is full of computed tokens (PrefixCache.cache_full_blocks), after D wrote the padded rows

@@ -58,6 +58,7 @@ def scheduler_halves() -> list[str]:
 PURE = [
     "pdserve.engine.block_pool",
     "pdserve.engine.scheduler",
+    "pdserve.engine.remote_kv_wait",
     "pdserve.engine.scheduler_output",
     "pdserve.engine.block_tables",
     "pdserve.engine.prefix_cache",
