@@ -1,7 +1,8 @@
 """LLMEngine: the step loop that ties scheduler, worker and KV connector together (single thread).
 
 Starting the TP ranks, rank 0's model and KV cache is tp/rank_zero.py; the bookkeeping other threads and repeated
-calls read is timelines.py (GET /timeline) and released_pins.py (a repeated release).
+calls read is timelines.py (GET /timeline) and released_pins.py (a repeated release); the limits a request is
+checked against are limits.py, the /metrics snapshot stats.py.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.client import EngineStats
 from pdserve.engine.kv_cache import kv_cache_spec
 from pdserve.engine.kv_landed import take_landed
+from pdserve.engine.limits import RequestLimits
 from pdserve.engine.outputs import RequestOutput, take_output
 from pdserve.engine.released_pins import ReleasedPins
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.stats import StepCounters, engine_stats
 from pdserve.engine.text import TextTracker
 from pdserve.engine.timelines import Timelines
 from pdserve.engine.tp.group import TPGroup, TPGroupError
@@ -55,6 +58,7 @@ class LLMEngine:
         tok = loaded.tokenizer
         self.eos_token_ids = tuple(tok.eos_token_ids if tok else loaded.arch.eos_token_ids)
         block_size = config.cache.block_size
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, block_size, self.num_blocks)  # fixed
         side_ports = self.ranks.side_ports if self.ranks is not None else ()
         self.kv_scheduler, self.kv_worker = make_connectors(
             config.transfer, block_size, tp, side_ports, loaded.decoder.kv_groups, faults
@@ -86,19 +90,8 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, kv: KVTransferParams | None = None) -> None:
-        """Raise ValueError with a user-facing message for input the engine cannot serve."""
-        if isinstance(kv, PullSource) and kv.first_token_id is not None and kv.first_token_id >= self.vocab_size:
-            raise ValueError(f"kv_transfer_params.first_token_id is outside the vocabulary [0, {self.vocab_size})")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty")
-        if n > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, longer than max_model_len {self.max_model_len}")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if -(-n // self.config.cache.block_size) > self.num_blocks:
-            raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache has ({self.num_blocks})")
+        """Raise ValueError with a user-facing message for input the engine cannot serve (limits.py; any thread)."""
+        self.limits.check(prompt_token_ids, kv)
 
     def add_request(
         self,
@@ -275,30 +268,11 @@ class LLMEngine:
     # ---- introspection --------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of this engine (engine thread only: it reads the scheduler and drains the connector)."""
-        s = self.scheduler
         t = self.kv_worker.stats()
         self.transfer_seconds.extend(t.transfer_seconds)
         self.transfer_posts.extend(t.posts)
-        return EngineStats(
-            num_blocks_total=self.num_blocks,
-            num_blocks_free=self.pool.num_free,
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_waiting_for_kv=len(s.waiting_for_kv),
-            kv_sent_bytes=t.sent_bytes,
-            kv_received_bytes=t.received_bytes,
-            transfers_ok=t.transfers_ok,
-            transfers_failed=t.transfers_failed,
-            transfers_expired=t.transfers_expired,
-            kv_checksum_failures=t.checksum_failures,
-            num_engine_steps=self.num_steps,
-            transfer_hook_seconds=self.transfer_hook_seconds,
-            num_step_failures=self.num_step_failures,
-            num_requests_started=s.admitted.num_requests,
-            num_prompt_tokens=s.admitted.num_prompt_tokens,
-            num_prefix_hit_tokens=s.admitted.num_prefix_hit_tokens,
-            side_channel_refused=dict(t.side_channel_refused),
-        )
+        steps = StepCounters(self.num_steps, self.num_step_failures, self.transfer_hook_seconds)
+        return engine_stats(self.scheduler, self.pool, self.num_blocks, steps, t)
 
     def timelines(self) -> list[dict[str, Any]]:
         """A copy of recent timelines; safe to call from another thread (timelines.py)."""
