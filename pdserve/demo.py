@@ -20,7 +20,8 @@ from pdserve.bench.cli_sweep import terminate_as_interrupt
 from pdserve.bench.deploy import Deployment, ServerOptions
 from pdserve.bench.plot import plot_metric, summary_rows
 from pdserve.bench.points import load_results
-from pdserve.bench.sweep import Endpoints, Sweep, SweepConfig
+from pdserve.bench.sweep import Sweep
+from pdserve.bench.sweep_config import Endpoints, SweepConfig
 from pdserve.bench.timeline import draw, load_saved
 
 QUESTION = "What is the capital of France? Answer in one sentence."

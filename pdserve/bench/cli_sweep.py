@@ -16,7 +16,8 @@ from pdserve.bench import workload
 from pdserve.bench.deploy import ServerOptions
 from pdserve.bench.instances import instances_table
 from pdserve.bench.phases import phases_summary
-from pdserve.bench.sweep import DEFAULT_MODES, MODES, ROUTINGS, Endpoints, Sweep, SweepConfig, summary_table
+from pdserve.bench.sweep import Sweep, summary_table
+from pdserve.bench.sweep_config import DEFAULT_MODES, MODES, ROUTINGS, Endpoints, SweepConfig
 
 
 def _modes(text: str) -> tuple[str, ...]:

@@ -17,7 +17,8 @@ from pdserve.bench.goodput import max_goodput, max_goodput_lines, rescore
 from pdserve.bench.metrics import calculate_metrics, format_summary, parse_goodput
 from pdserve.bench.plot import summary_rows
 from pdserve.bench.points import load_results
-from pdserve.bench.sweep import Sweep, SweepConfig, point_stem, pooled_attainment
+from pdserve.bench.sweep import Sweep, pooled_attainment
+from pdserve.bench.sweep_config import SweepConfig, point_stem
 from pdserve.router.prompt_len import estimate_prompt_tokens
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -19,7 +19,7 @@ from pdserve.bench.dataset import random_requests, shared_prefix_requests
 from pdserve.bench.metrics import calculate_metrics
 from pdserve.bench.multiturn import Conversation, MultiTurnConfig, conversations, ttft_turn_medians_ms
 from pdserve.bench.runner import LoadConfig, run_load
-from pdserve.bench.sweep import bench_argv
+from pdserve.bench.sweep_config import bench_argv
 from pdserve.bench.tokenizer import Vocab, load_vocab
 
 SYSTEM, TURN, OUTPUT = 24, 10, 5

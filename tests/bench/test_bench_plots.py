@@ -13,7 +13,7 @@ from pdserve.bench.client import RequestOutput
 from pdserve.bench.metrics import calculate_metrics
 from pdserve.bench.plot import summary_rows
 from pdserve.bench.points import load_results
-from pdserve.bench.sweep import point_stem
+from pdserve.bench.sweep_config import point_stem
 from pdserve.bench.timeline import join
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

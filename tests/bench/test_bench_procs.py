@@ -14,7 +14,7 @@ import pytest
 from pdserve.bench.cli_sweep import parse_attach
 from pdserve.bench.deploy import Deployment, ServerOptions
 from pdserve.bench.procs import ManagedProcess, descendants, free_ports
-from pdserve.bench.sweep import format_qps, point_stem
+from pdserve.bench.sweep_config import format_qps, point_stem
 
 
 def _alive(pid: int) -> bool:

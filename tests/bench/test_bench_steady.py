@@ -25,7 +25,7 @@ from pdserve.bench.metrics import (
 from pdserve.bench.plot import summary_rows
 from pdserve.bench.points import load_results
 from pdserve.bench.runner import LoadConfig, run_load
-from pdserve.bench.sweep import point_stem
+from pdserve.bench.sweep_config import point_stem
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.deploy import Deployment, ServerOptions
-from pdserve.bench.sweep import Arm, Endpoints, SweepConfig
+from pdserve.bench.sweep_config import Arm, Endpoints, SweepConfig
 
 
 def config(tmp_path: Path, **kw: object) -> SweepConfig:
