@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import pydantic_core
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -225,3 +227,13 @@ class BodySizeLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def parse_json(body: bytes) -> Any:
+    """The JSON document `body` as json.loads reads it, through pydantic-core's parser where that reads it too (a
+    16k-id prompt in about half the time); what it refuses goes to json.loads: a non-JSON body raises its
+    JSONDecodeError, one only json reads (a lone surrogate escape) parses as before. Router and instances."""
+    try:
+        return pydantic_core.from_json(body)
+    except ValueError:
+        return json.loads(body)
