@@ -245,7 +245,7 @@ def test_unauthenticated_kv_never_enters_ds_prefix_cache(deployment: Deployment)
     num_prompt = len(resp.json()["choices"][0]["prompt_token_ids"])
     wait_idle(pair.p.url)
     moved = scrape_metrics(pair.d.url)["pdserve_kv_received_bytes_total"] - received
-    assert moved == num_prompt * BYTES_PER_TOKEN  # no prefix hit on D: the whole prompt's KV moved again (P's first token too)
+    assert moved == num_prompt * BYTES_PER_TOKEN  # no prefix hit on D: the whole prompt (P hands its first token over)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
