@@ -19,9 +19,11 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.capability import KVAuth
 from pdserve.kv.decode import decode
+from pdserve.kv.groups import KVGroups
 from pdserve.kv.params import KVParamsError, PullSource, PushSource, RemoteDecode, encode, hands_first_token
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults, TransferStats
+from pdserve.transfer.layout import group_ranges
 from pdserve.transfer.ranks import RankMerger, decode_meta, decode_results, encode_meta, encode_results
 from pdserve.transfer.scheduler.pull import PullScheduler
 from pdserve.transfer.scheduler.push import PushScheduler
@@ -103,18 +105,53 @@ def test_stop_conditions_apply_to_the_handed_over_token(params: SamplingParams, 
         assert pool.num_free == pool.num_blocks and not s.has_work()
 
 
-@pytest.mark.parametrize(
-    ("token", "why"), [(None, "no first token came"), (VOCAB, f"its first token {VOCAB} is outside the vocabulary")]
-)
-def test_a_missing_or_impossible_token_fails_the_recv(token: int | None, why: str) -> None:
+def test_an_impossible_token_fails_the_recv() -> None:
     s, pool, _ = make()
     r = parked(s, PUSH)
-    took, res = landed(s, token)
+    took, res = landed(s, VOCAB)
+    why = f"its first token {VOCAB} is outside the vocabulary"
     assert took == [] and res.failed_recvs == [("d", f"the prefill instance handed the KV over but {why}")]
     assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV  # the engine fails it or recomputes it by policy
     assert s.on_kv_failed("d", recompute=True) is None
     out = s.schedule()  # recompute: the whole prompt here, D's own first token
     assert out.chunks[0].start_pos == 0 and len(out.chunks[0].token_ids) == N and r.output_token_ids == []
+
+
+def test_kv_landed_without_its_token_computes_the_last_prompt_position() -> None:
+    """A push recv that landed only by P's answer to its cancel (PushCancelAck(landed) carries no token): the KV
+    of the whole prompt is there, so D computes its last prompt position, as for a prefill that hands none over."""
+    s, pool, _ = make()
+    r = parked(s, PUSH)
+    took, res = landed(s, None)
+    assert took == [] and not res.failed_recvs and r.output_token_ids == []
+    out = s.schedule()
+    assert [(c.start_pos, c.token_ids, c.sample) for c in out.chunks] == [(N - 1, [N - 1], True)]
+    s.update(out, {"d": 7})
+    out = s.schedule()  # and decoding goes on after D's own first token
+    assert r.output_token_ids == [7] and [(c.start_pos, c.token_ids) for c in out.chunks] == [(N, [7])]
+    s.finish(r, "abort")
+    assert pool.num_free == pool.num_blocks and not s.has_work()
+
+
+@pytest.mark.parametrize(("window", "can"), [(4, True), (3, False)])
+def test_kv_without_its_token_in_a_windowed_group(window: int, can: bool) -> None:
+    """A windowed group's table is cut at the window of position N (the first output token's): with window 3 and
+    4-token blocks the last prompt position (N - 1 = 9) reads key 7, in block 1, which the cut left out (position
+    10 reads from key 8, block 2): D cannot compute it and the recv fails (by policy); with window 4 it can."""
+    pool = BlockPool(64, True)
+    groups = KVGroups.of((None, window), 2)
+    s = Scheduler(SchedulerConfig(8, 64), pool, 4, 1024, RecordingConnector(4), kv_groups=groups)
+    r = parked(s, PUSH)
+    landed_from = tuple(first for first, _ in group_ranges(groups.windows, 0, N, 4))  # as the transfer thread says
+    res = TransferResults(finished_recvs=["d"], landed_from={"d": landed_from})
+    assert take_landed(s, res, VOCAB) == []
+    if can:
+        assert not res.failed_recvs
+        assert [(c.start_pos, c.token_ids) for c in s.schedule().chunks] == [(N - 1, [N - 1])]
+    else:
+        why = "no first token came, and a windowed layer group lacks a key the last prompt position reads"
+        assert res.failed_recvs == [("d", f"the prefill instance handed the KV over but {why}")]
+        assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV
 
 
 def test_a_token_for_a_request_aborted_meanwhile_is_dropped_with_its_blocks() -> None:
