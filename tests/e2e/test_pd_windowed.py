@@ -104,18 +104,22 @@ def test_info_carries_the_groups(families: dict[str, Family]) -> None:
     assert info["kv_groups"] == [{"window": None, "layers": [1, 3]}, {"window": 6, "layers": [0, 2]}]
 
 
-def test_one_windowed_group_under_tensor_parallelism(fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path]):
-    """Mistral-SWA (one windowed group) from P TP 2 (KV head replicated) to D TP 1, pull: each P rank's pin is
-    named by the same live blocks (transfer/ranks.py carries the tables), == colocated, every block free."""
-    model = tiny_model_dirs["mistral_swa"]
-    common = ("--num-gpu-blocks", "64", "--block-size", str(BS), "--kv-transfer", "pull")
-    ref = fresh_launcher.serve(model, *common[:4], name="ref")
-    p = fresh_launcher.serve(model, *common, "--kv-role", "prefill", "--tensor-parallel-size", "2", name="p")
-    d = fresh_launcher.serve(model, *common, "--kv-role", "decode", name="d")
+def test_one_windowed_group_under_tensor_parallelism(
+    families: dict[str, Family], fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path]
+):
+    """Mistral-SWA (one windowed group) from P TP 2 (KV head replicated) to the module's D TP 1, pull: each P
+    rank's pin is named by the same live blocks (transfer/ranks.py carries the tables), == colocated (the module's
+    reference), every block free. The prompt is new to D (no prefix hit: the whole window moves)."""
+    f = families["mistral_swa"]
+    common = ("--num-gpu-blocks", "64", "--block-size", str(BS), "--kv-transfer", "pull", *AUTH)
+    p = fresh_launcher.serve(tiny_model_dirs["mistral_swa"], *common, "--kv-role", "prefill",
+                             "--tensor-parallel-size", "2", name="p")  # fmt: skip
     fresh_launcher.wait_ready()
-    router = fresh_launcher.proxy("pull", [p], [d])
+    d = f.d["pull"]
+    router = fresh_launcher.proxy("pull", [p], [d], *AUTH)
     fresh_launcher.wait_ready()
-    assert completion(router.url, PROMPTS[1]) == completion(ref.url, PROMPTS[1])
+    prompt = "tensor parallel, " + PROMPTS[1]
+    assert completion(router.url, prompt) == completion(f.ref.url, prompt)
     for proc in (p, d):
         m = wait_idle(proc.url)
         assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"] == 64, (proc.name, m)
@@ -132,22 +136,27 @@ def moved_bytes(num_prompt: int, p_bs: int, d_bs: int, start: int = 0) -> int:
     return (max(0, end - start) + max(0, end - first)) * token_bytes
 
 
-def test_windowed_between_different_block_sizes(fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path]):
+def test_windowed_between_different_block_sizes(
+    families: dict[str, Family], fresh_launcher: Launcher, tiny_model_dirs: dict[str, Path]
+):
     """Tiny Gemma 3 (window 6) from P to D of (16, 4), (4, 16), (8, 16) tokens per block, pull and push through
     the router: == colocated; per request the metrics count exactly moved_bytes (only the window's tokens for the
     windowed group, on both sides); every block free afterwards. PROMPTS[0] (52 tokens) puts D's 16-token window
     block partly before what P still held (keys 40.. or 44.. of block 32..47): D must not register it, so the
-    same prompt again is no prefix hit and moves everything again (a hit there would read rows D never got)."""
+    same prompt again is no prefix hit and moves everything again (a hit there would read rows D never got).
+    The module's Gemma 3 reference and its P of 4-token blocks serve here too (what P caches changes no byte D
+    receives); every D is new, as what D caches does."""
     model = tiny_model_dirs["gemma3"]
     pairs = [(16, 4), (4, 16), (8, 16)]
 
     def serve(name: str, bs: int, *args: str) -> Proc:
         return fresh_launcher.serve(model, "--num-gpu-blocks", "64", "--block-size", str(bs), *args, name=name)
 
-    ref = serve("ref", 16, "--kv-role", "both")
+    ref = families["gemma3"].ref
     # with the deployment secret, as D caches received KV (the EXTENDED prompt's prefix hit) only then (issue 26)
     p = {(m, bs): serve(f"P{bs}-{m}", bs, "--kv-role", "prefill", "--kv-transfer", m, *AUTH)
-         for m in MODES for bs in (4, 8, 16)}  # fmt: skip
+         for m in MODES for bs in (8, 16)}  # fmt: skip
+    p |= {(m, BS): families["gemma3"].p[m] for m in MODES}
     d = {(m, bs): serve(f"D{bs}-{m}", bs, "--kv-role", "decode", "--kv-transfer", m, *AUTH)
          for m in MODES for bs in (4, 16)}  # fmt: skip
     fresh_launcher.wait_ready()

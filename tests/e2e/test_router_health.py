@@ -32,13 +32,26 @@ def restart(launcher: Launcher, proc: Proc) -> Proc:
     return again
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(0.05)
     return False
+
+
+def router_will_say(router: Proc, what: str) -> Callable[[], None]:
+    """A wait until the router's health monitor says `what` once more than it has so far (router/health.py logs
+    each change of a backend's mark: unhealthy, healthy again, restarted; the marks are not in its /metrics, and
+    its /health checks the backends live rather than reading them). Taken before the change it waits for: a
+    backend not ready yet at the start is marked unhealthy too."""
+    before = router.log_text().count(what)
+
+    def wait() -> None:
+        assert wait_for(lambda: router.log_text().count(what) > before), f"the router never said {what!r}"
+
+    return wait
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -52,14 +65,16 @@ def test_dead_decode_is_routed_around_and_taken_back(fresh_launcher: Launcher, t
     )
     fresh_launcher.wait_ready()
     expected = post(router.url, "/v1/completions", BODY).json()["choices"][0]["text"]
+    unhealthy = router_will_say(router, f"decode instance {d2.url} is unhealthy")
     kill(d2)
-    time.sleep(1.0)  # a few health rounds
+    unhealthy()  # routed around from now on
     for _ in range(6):  # every request lands on d1: none fails
         resp = post(router.url, "/v1/completions", BODY)
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == expected
+    healthy = router_will_say(router, f"decode instance {d2.url} is healthy again")
     d2 = restart(fresh_launcher, d2)
-    time.sleep(1.0)
+    healthy()
     before = scrape_metrics(d2.url)["pdserve_engine_steps_total"]
     for _ in range(6):
         assert post(router.url, "/v1/completions", BODY).status_code == 200
@@ -74,8 +89,9 @@ def test_pull_without_healthy_decode_is_refused_before_prefill(fresh_launcher: L
     d = fresh_launcher.serve(tiny_llama, "--kv-role", "decode", "--kv-transfer", "pull", name="d")
     router = fresh_launcher.proxy("pull", [p], [d], "--health-interval-s", INTERVAL, ready_statuses=(200, 503))
     fresh_launcher.wait_ready()
+    unhealthy = router_will_say(router, f"decode instance {d.url} is unhealthy")
     kill(d)
-    time.sleep(1.0)
+    unhealthy()
     resp = post(router.url, "/v1/completions", BODY)
     assert resp.status_code == 503, resp.text
     assert "no healthy decode instance" in resp.json()["error"]["message"]
@@ -106,10 +122,11 @@ def test_restarted_prefill_costs_the_next_request_nothing(fresh_launcher: Launch
     router = fresh_launcher.proxy("push", [p], [d], "--health-interval-s", INTERVAL, ready_statuses=(200, 503))
     fresh_launcher.wait_ready()
     expected = post(router.url, "/v1/completions", BODY).json()["choices"][0]["text"]
+    restarted = router_will_say(router, f"prefill instance {p.url} restarted (epoch")
     kill(p)
     p = restart(fresh_launcher, p)  # same HTTP port, a new engine id and side channel
     assert wait_for(lambda: httpx.get(router.url + "/health").status_code == 200)
-    time.sleep(0.5)  # the router notices the new epoch
+    restarted()  # the router noticed the new epoch and dropped what it cached about P
     resp = post(router.url, "/v1/completions", BODY)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == expected

@@ -2,7 +2,7 @@
 deployment secret (one deployment for the module: four pairs, each behind its router).
 
 1. A flood of idle TCP connections to P's side channel, more than its limits and held open (each one the server
-   closes is reopened): routed requests stay 10/10 OK and equal to the colocated answer, D never declares P dead,
+   closes is reopened), on every pair's P at once: routed requests stay 10/10 OK and equal to the colocated answer, D never declares P dead,
    and P's log does not grow by a line per refused connection (pdserve_side_channel_refused_total counts them).
 2. Without a secret: `serve` and `proxy` refuse a non-loopback address unless --insecure-no-kv-auth; D dials only
    loopback addresses a client names; D registers no received KV in its prefix cache (the "Berlin for France"
@@ -12,6 +12,8 @@ deployment secret (one deployment for the module: four pairs, each behind its ro
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import select
 import socket
 import struct
@@ -38,9 +40,8 @@ GERMANY = "Question: what is the capital of Germany? Answer: the capital of Germ
 FRANCE = "Question: what is the capital of France?? Answer: the capital of France is"  # as many tokens
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny llama: layers x (K, V) x kv heads x head dim x float32
 CASES = [(mode, auth) for mode in ("pull", "push") for auth in ("secret", "open")]
-IDS = [f"{mode}-{auth}" for mode, auth in CASES]
 FLOOD_CONNECTIONS = 300  # held open at once: past every limit (64 pending, 16 per source, 128 admitted)
-FLOOD_RATE = 400  # reconnections per second at most (the flood must not just be a CPU hog on 2 cores)
+FLOOD_RATE = 400  # reconnections per second at most, all floods together (not just a CPU hog on 2 cores)
 
 
 @dataclass
@@ -142,34 +143,53 @@ class Flood:
                 s.close()
 
 
-@pytest.mark.parametrize("mode,auth", CASES, ids=IDS)
-def test_idle_connection_flood_leaves_routed_requests_ok(deployment: Deployment, mode: str, auth: str) -> None:
-    pair = deployment.pairs[(mode, auth)]
-    prompts = [f"[{mode} {auth} flood {i}] The quick brown fox jumps over the lazy dog." for i in range(10)]
-    expected = [tokens(completion(pair.p.url, prompt)) for prompt in prompts]  # P alone: the colocated answer
-    assert tokens(completion(pair.router.url, "warm up: " + prompts[0])) == tokens(
-        completion(pair.p.url, "warm up: " + prompts[0])
-    )
-    port, refused_before = side_port(pair.p), refused_total(pair.p)
-    p_lines, d_lines = len(pair.p.log_text().splitlines()), len(pair.d.log_text().splitlines())
-    with Flood(port) as flood:
+def allow_open_files(needed: int) -> None:
+    """Raise this process's soft limit on open files to `needed` (at most the hard limit) if it is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        new = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
+def test_idle_connection_floods_leave_routed_requests_ok(deployment: Deployment) -> None:
+    """Every pair's P flooded at once (one flood's connection churn shared among them: FLOOD_RATE in all), for
+    longer than D's peer timeout; then each router's requests, still under the flood."""
+    prompts = {key: [f"[{key[0]} {key[1]} flood {i}] The quick brown fox jumps over the lazy dog." for i in range(10)]
+               for key in CASES}  # fmt: skip
+    expected = {}
+    for key, pair in deployment.pairs.items():
+        expected[key] = [tokens(completion(pair.p.url, prompt)) for prompt in prompts[key]]  # P alone: colocated's
+        warm_up = "warm up: " + prompts[key][0]
+        assert tokens(completion(pair.router.url, warm_up)) == tokens(completion(pair.p.url, warm_up))
+    before = {
+        key: (refused_total(pair.p), len(pair.p.log_text().splitlines()), len(pair.d.log_text().splitlines()))
+        for key, pair in deployment.pairs.items()
+    }
+    allow_open_files(len(CASES) * FLOOD_CONNECTIONS + 512)  # every flood's sockets live in this process
+    floods = {key: Flood(side_port(pair.p), rate=FLOOD_RATE // len(CASES)) for key, pair in deployment.pairs.items()}
+    with contextlib.ExitStack() as stack:
+        for flood in floods.values():
+            stack.enter_context(flood)
         time.sleep(6.0)  # past D's peer timeout (4 s): before the fix D declared P dead after ~5 s
-        got = [tokens(completion(pair.router.url, prompt)) for prompt in prompts]
-    opened = flood.opened
-    tokens(completion(pair.p.url, "wake P's engine: its stats snapshot (and /metrics) is refreshed"))
-    assert got == expected
-    assert opened > FLOOD_CONNECTIONS  # the server closed some and the flood reopened them: it went on
-    refused = refused_total(pair.p) - refused_before
-    assert refused >= opened - FLOOD_CONNECTIONS, (refused, opened)  # every connection P closed is counted
-    new_p = pair.p.log_text().splitlines()[p_lines:]
-    print(f"{mode}-{auth}: flood opened {opened} connections, P refused {refused:.0f}, P's log +{len(new_p)} lines")
-    side_lines = [line for line in new_p if "side channel" in line]
-    assert len(side_lines) <= 3, side_lines  # a summary line at most every 10 s, not one per connection
-    assert len(new_p) <= len(prompts) + 9, new_p[-20:]
-    assert not [line for line in pair.d.log_text().splitlines()[d_lines:] if " is dead" in line]
-    for proc in (pair.p, pair.d):
-        m = wait_idle(proc.url)
-        assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], proc.name
+        got = {key: [tokens(completion(pair.router.url, prompt)) for prompt in prompts[key]]
+               for key, pair in deployment.pairs.items()}  # fmt: skip
+    for key, pair in deployment.pairs.items():
+        name, opened = "-".join(key), floods[key].opened
+        refused_before, p_lines, d_lines = before[key]
+        tokens(completion(pair.p.url, "wake P's engine: its stats snapshot (and /metrics) is refreshed"))
+        assert got[key] == expected[key], name
+        assert opened > FLOOD_CONNECTIONS, name  # the server closed some and the flood reopened them: it went on
+        refused = refused_total(pair.p) - refused_before
+        assert refused >= opened - FLOOD_CONNECTIONS, (name, refused, opened)  # every connection P closed counts
+        new_p = pair.p.log_text().splitlines()[p_lines:]
+        print(f"{name}: flood opened {opened} connections, P refused {refused:.0f}, P's log +{len(new_p)} lines")
+        side_lines = [line for line in new_p if "side channel" in line]
+        assert len(side_lines) <= 3, (name, side_lines)  # a summary line at most every 10 s, not one per connection
+        assert len(new_p) <= len(prompts[key]) + 9, (name, new_p[-20:])
+        assert not [line for line in pair.d.log_text().splitlines()[d_lines:] if " is dead" in line], name
+        for proc in (pair.p, pair.d):
+            m = wait_idle(proc.url)
+            assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], proc.name
 
 
 # ---- 2. secure by default -------------------------------------------------------------------------------------------
