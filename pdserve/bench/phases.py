@@ -57,15 +57,30 @@ PHASES: dict[str, tuple[Phase, ...]] = {
 }
 
 
+# Parts of one phase, reported beside the phases (they add up to that phase, not to the TTFT). Push's hand-over:
+# the engine handing the finished prefill to the transfer thread, then that thread posting the WRITE (laid out
+# before the prefill ended when P's "write_prepared" precedes "send_taken": thread/push_prepare.py; else laid out
+# after "send_taken", between P's "write_segments" and "write_descriptors")
+SPLITS: dict[str, tuple[Phase, ...]] = {
+    "push": (
+        ("hand-over: token->taken", ("P", "first_token"), ("P", "send_taken")),
+        ("hand-over: taken->posted", ("P", "send_taken"), ("P", "transfer_posted")),
+    ),
+}
+
+
 def _time(event: Event, tl: RequestTimeline, client: Mapping[str, float]) -> float | None:
     where, name = event
     return client.get(name) if where == "C" else tl.event(where, name)
 
 
-def request_phases(mode: str, tl: RequestTimeline, client: Mapping[str, float]) -> dict[str, float]:
-    """One request's phases in seconds (those whose two events are both known and in order)."""
+def request_phases(
+    mode: str, tl: RequestTimeline, client: Mapping[str, float], phases: Mapping[str, tuple[Phase, ...]] = PHASES
+) -> dict[str, float]:
+    """One request's phases in seconds (those whose two events are both known and in order); phases=SPLITS: the
+    parts of a phase instead."""
     out = {}
-    for label, start, end in PHASES[mode]:
+    for label, start, end in phases.get(mode, ()):
         t0, t1 = _time(start, tl, client), _time(end, tl, client)
         if t0 is not None and t1 is not None and t1 >= t0:
             out[label] = t1 - t0
@@ -80,17 +95,26 @@ def phase_medians(
     gap (median and p99, ms), so that time moved out of TTFT stays visible."""
     timelines = {tl.request_id: tl for tl in join(prefill_entries, decode_entries)}
     per_phase: dict[str, list[float]] = {label: [] for label, _, _ in PHASES[mode]}
+    per_split: dict[str, list[float]] = {label: [] for label, _, _ in SPLITS.get(mode, ())}
+    num_prepared = 0  # push: requests whose WRITE was laid out before the prefill ended
     rows = zip(result["request_ids"], result["start_times"], result["ttfts"], result["errors"], strict=True)
     for rid, sent, ttft, error in rows:
         tl = timelines.get(normalize_id(rid))
         if tl is None or error or not ttft:
             continue
-        for label, seconds in request_phases(mode, tl, {"sent": sent, "first_token": sent + ttft}).items():
+        client = {"sent": sent, "first_token": sent + ttft}
+        for label, seconds in request_phases(mode, tl, client).items():
             per_phase[label].append(seconds)
+        for label, seconds in request_phases(mode, tl, client, SPLITS).items():
+            per_split[label].append(seconds)
+        prepared, taken = tl.event("P", "write_prepared"), tl.event("P", "send_taken")
+        num_prepared += prepared is not None and taken is not None and prepared <= taken
     first_gaps = [gaps[0] for gaps, error in zip(result["itls"], result["errors"], strict=True) if gaps and not error]
     return {
         "phase_medians_ms": {k: 1000 * statistics.median(v) if v else None for k, v in per_phase.items()},
         "phase_counts": {k: len(v) for k, v in per_phase.items()},
+        "phase_splits_ms": {k: 1000 * statistics.median(v) if v else None for k, v in per_split.items()},
+        "num_write_prepared": num_prepared,
         "median_first_itl_ms": 1000 * statistics.median(first_gaps) if first_gaps else None,
         "p99_first_itl_ms": 1000 * _quantile(first_gaps, 0.99) if first_gaps else None,
     }
@@ -101,14 +125,21 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def phases_table(rows: Sequence[tuple[str, str, Mapping[str, float | None]]]) -> str:
+def phases_table(
+    rows: Sequence[tuple[str, str, Mapping[str, float | None]]],
+    splits: Sequence[Mapping[str, float | None]] = (),
+) -> str:
     """Rows of (point label, mode, phase medians in ms) as text: one line per (point, mode), its phases in order
-    and their sum; modes of one point follow one another so colocated's own phases sit beside push and pull."""
+    and their sum; modes of one point follow one another so colocated's own phases sit beside push and pull.
+    splits[i], when given and not empty: row i's SPLITS medians, on a line of their own under it."""
     lines = ["where the time to first token goes (median ms per phase; sum ~ median TTFT)"]
-    for point, mode, medians in rows:
+    for i, (point, mode, medians) in enumerate(rows):
         parts = [f"{k} {v:.2f}" for k, v in medians.items() if v is not None]
         total = sum(v for v in medians.values() if v is not None)
         lines.append(f"{point:>22}  {mode:9}  " + " | ".join(parts) + f"  = {total:.2f}")
+        split = [f"{k} {v:.2f}" for k, v in (splits[i] if i < len(splits) else {}).items() if v is not None]
+        if split:
+            lines.append(" " * 35 + " | ".join(split))
     return "\n".join(lines)
 
 
@@ -116,10 +147,11 @@ def phases_summary(results: Sequence[Mapping[str, Any]]) -> str:
     """phases_table over sweep results (each with mode, qps, input_len, output_len, iteration and
     phase_medians_ms): one line per result, grouped by point, modes in push, pull, colocated order."""
     order = {"push": 0, "pull": 1, "colocated": 2}
-    rows = []
+    rows, splits = [], []
     key = lambda r: (float(r["qps"]), r["input_len"], r["output_len"], r.get("iteration", 0), order.get(r["mode"], 3))  # noqa: E731
     for r in sorted(results, key=key):
         if r.get("phase_medians_ms"):
             label = f"{r['qps']} qps {r['input_len']}/{r['output_len']} #{r.get('iteration', 0)}"
             rows.append((label, r["mode"], r["phase_medians_ms"]))
-    return phases_table(rows) if rows else ""
+            splits.append(r.get("phase_splits_ms") or {})
+    return phases_table(rows, splits) if rows else ""

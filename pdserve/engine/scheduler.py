@@ -211,12 +211,19 @@ class Scheduler:
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         tokens = req.token_slice(start, start + num_new)  # not all_token_ids: O(context) per step
+        sample = start + num_new == req.num_tokens
+        if sample and not req.output_token_ids and req.kv_transfer_params is not None:
+            # the prompt's last chunk: the blocks a prefill leg hands over are known now (push prepares its WRITEs)
+            self.connector.on_prefill_scheduled(
+                req.request_id, list(req.block_ids), req.num_tokens, req.kv_transfer_params,
+                block_tables=self.tables.for_transfer(req),
+            )  # fmt: skip
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=tokens,
             start_pos=start,
             block_tables=[list(t) for t in req.block_tables],
-            sample=start + num_new == req.num_tokens,
+            sample=sample,
             params=req.params,
             num_output_tokens=len(req.output_token_ids),
         )

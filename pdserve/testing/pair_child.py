@@ -104,6 +104,10 @@ def run_child(
                 rid, blocks, num_local, num_prompt = args[:4]
                 tables = args[4] if args[4:] else ()
                 sched.on_blocks_allocated(rid, blocks, num_local, num_prompt, params.pop(rid), block_tables=tables)
+            elif cmd == "scheduled":  # P: its last prompt chunk scheduled (id, blocks, tokens, params[, tables])
+                rid, blocks, num_tokens = args[:3]
+                tables = args[4] if args[4:] else ()
+                sched.on_prefill_scheduled(rid, blocks, num_tokens, decode(args[3]), block_tables=tables)
             elif cmd == "finish":  # -> (keep blocks, the response's kv_transfer_params as JSON)
                 tables = args[4] if args[4:] else ()  # a table per KV group (windowed models)
                 rid, blocks, num_tokens = args[:3]

@@ -117,11 +117,15 @@ class StepMeta:
     # D: the coordinates of requests refused before admission (no RecvTask, no result follows): tell their
     # producer to free that KV now (thread/give_back.py)
     refusals: list[PullSource | PushSource] = field(default_factory=list)
+    # P (push): requests whose prompt's last chunk was scheduled (ConnectorScheduler.on_prefill_scheduled), as
+    # the SendTask they will hand over (no first_token_id yet): their WRITEs are laid out while P computes. Each
+    # is an `expected` request and still ends as one SendTask or one `abandoned` entry
+    planned: list[SendTask] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
             self.recvs or self.sends or self.cancels or self.expected or self.abandoned or self.releases
-            or self.refusals
+            or self.refusals or self.planned
         )  # fmt: skip
 
 
@@ -166,6 +170,9 @@ class TransferStats:
     posts: list[tuple[int, float]] = field(default_factory=list)
     checksum_failures: int = 0  # --kv-checksum: recvs whose received KV did not match the producer's sums
     side_channel_refused: dict[str, int] = field(default_factory=dict)  # since start, by reason (side_admission.py)
+    # P (push), now: WRITEs laid out before their prefill ended and not yet posted nor released
+    # (thread/push_prepare.py); 0 when nothing waits
+    prepared_writes: int = 0
 
 
 class ConnectorScheduler(ABC):
@@ -212,6 +219,20 @@ class ConnectorScheduler(ABC):
         request's tokens (prompt, then output); the first num_tokens are the ones whose KV the blocks hold, the
         one after them (when there is one) the token sampled last, which a decode instance emits as its first.
         block_tables: as in on_blocks_allocated (a windowed group keeps the window before token num_tokens - 1)."""
+
+    def on_prefill_scheduled(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        params: KVTransferParams | None,
+        block_tables: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """P: the chunk that completes a request's prompt of num_tokens tokens was scheduled (before its forward
+        pass); block_ids / block_tables (as in on_request_finished) are the blocks the finished prefill will hand
+        over, unless they change before it ends. Push lays its WRITEs out now (StepMeta.planned); the default does
+        nothing."""
+        return None
 
     @abstractmethod
     def take_answer(self, request_id: str) -> KVAnswer | None:

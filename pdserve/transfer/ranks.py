@@ -26,7 +26,9 @@ from pdserve.transfer.base import RecvTask, SendTask, StepMeta, TransferResults,
 # 6: TransferResults.refused_recvs (recvs whose producer holds no KV under their coordinates) (2026-12-03).
 # 7: SendTask.first_token_id (push: every P rank's PushDone carries it) and TransferResults.first_tokens (D's
 #    first output token, handed over with the KV) (2026-12-03).
-RANKS_VERSION = 7
+# 8: StepMeta.planned (push: P's blocks for a prefill still running, its WRITEs laid out ahead) and
+#    TransferStats.prepared_writes (2026-12-03).
+RANKS_VERSION = 8
 
 
 class RanksError(ValueError):
@@ -36,13 +38,21 @@ class RanksError(ValueError):
 def encode_meta(meta: StepMeta) -> bytes:
     recvs = [[r.request_id, list(r.block_ids), r.start_token, r.num_tokens, encode_params(r.source), r.attempt,
               [list(t) for t in r.block_tables]] for r in meta.recvs]  # fmt: skip
-    sends = [[s.request_id, list(s.block_ids), s.num_tokens, s.transfer_id, [list(t) for t in s.block_tables],
-              s.first_token_id] for s in meta.sends]  # fmt: skip
     return msgpack.packb(
-        {"v": RANKS_VERSION, "recvs": recvs, "sends": sends, "cancels": meta.cancels,
+        {"v": RANKS_VERSION, "recvs": recvs, "sends": _encode_sends(meta.sends), "cancels": meta.cancels,
          "expected": [list(e) for e in meta.expected], "abandoned": meta.abandoned, "releases": meta.releases,
-         "refusals": [encode_params(s) for s in meta.refusals]},
+         "refusals": [encode_params(s) for s in meta.refusals], "planned": _encode_sends(meta.planned)},
     )  # fmt: skip
+
+
+def _encode_sends(sends: list[SendTask]) -> list[list[Any]]:
+    return [[s.request_id, list(s.block_ids), s.num_tokens, s.transfer_id, [list(t) for t in s.block_tables],
+             s.first_token_id] for s in sends]  # fmt: skip
+
+
+def _decode_sends(sends: list[list[Any]]) -> list[SendTask]:
+    return [SendTask(rid, tuple(blocks), num, tid, _tables(tables), first)
+            for rid, blocks, num, tid, tables, first in sends]  # fmt: skip
 
 
 def decode_meta(data: bytes) -> StepMeta:
@@ -53,8 +63,7 @@ def decode_meta(data: bytes) -> StepMeta:
         if not isinstance(src, PullSource | PushSource):
             raise RanksError(f"recv {rid}: its source is not a prefill's coordinates")
         recvs.append(RecvTask(rid, tuple(blocks), start, num, src, attempt, _tables(tables)))
-    sends = [SendTask(rid, tuple(blocks), num, tid, _tables(tables), first)
-             for rid, blocks, num, tid, tables, first in m["sends"]]  # fmt: skip
+    sends = _decode_sends(m["sends"])
     refusals: list[PullSource | PushSource] = []
     for raw in m["refusals"]:
         src = decode_params(raw)
@@ -62,7 +71,7 @@ def decode_meta(data: bytes) -> StepMeta:
             raise RanksError("a refusal's source is not a prefill's coordinates")
         refusals.append(src)
     return StepMeta(recvs, sends, list(m["cancels"]), [(a, b) for a, b in m["expected"]], list(m["abandoned"]),
-                    list(m["releases"]), refusals)  # fmt: skip
+                    list(m["releases"]), refusals, _decode_sends(m["planned"]))  # fmt: skip
 
 
 def _tables(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
@@ -77,7 +86,8 @@ def encode_results(res: TransferResults, stats: TransferStats) -> bytes:
          "landed_from": [[rid, list(firsts)] for rid, firsts in res.landed_from.items()],
          "first_tokens": list(res.first_tokens.items()),
          "stats": [stats.sent_bytes, stats.received_bytes, stats.transfers_ok, stats.transfers_failed,
-                   stats.transfers_expired, stats.transfer_seconds, stats.posts, stats.checksum_failures]},
+                   stats.transfers_expired, stats.transfer_seconds, stats.posts, stats.checksum_failures,
+                   stats.prepared_writes]},
     )  # fmt: skip
 
 
@@ -94,7 +104,8 @@ def decode_results(data: bytes) -> tuple[TransferResults, TransferStats]:
         first_tokens={rid: token for rid, token in m["first_tokens"]},
     )
     s = m["stats"]
-    stats = TransferStats(s[0], s[1], s[2], s[3], s[4], list(s[5]), [(a, b) for a, b in s[6]], s[7])
+    stats = TransferStats(s[0], s[1], s[2], s[3], s[4], list(s[5]), [(a, b) for a, b in s[6]], s[7],
+                          prepared_writes=s[8])  # fmt: skip
     return res, stats
 
 
@@ -206,4 +217,5 @@ def add_stats(a: TransferStats, b: TransferStats) -> TransferStats:
         a.transfer_seconds + b.transfer_seconds, a.posts + b.posts, a.checksum_failures + b.checksum_failures,
         {k: a.side_channel_refused.get(k, 0) + b.side_channel_refused.get(k, 0)
          for k in a.side_channel_refused.keys() | b.side_channel_refused.keys()},
+        a.prepared_writes + b.prepared_writes,
     )  # fmt: skip

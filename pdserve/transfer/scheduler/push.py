@@ -47,6 +47,20 @@ class PushScheduler(SchedulerBase, ConnectorScheduler):
             self._attempts.popitem(last=False)
         return RecvTask(request_id, block_ids, start, num_tokens, source, attempt)
 
+    def on_prefill_scheduled(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        params: KVTransferParams | None,
+        block_tables: Sequence[Sequence[int]] = (),
+    ) -> None:
+        # P: the WRITEs are laid out while the prefill runs (thread/push_prepare.py); only the post waits for its end
+        tid = self._producing.get(request_id)
+        if tid is not None and isinstance(params, RemoteDecode):
+            tables = tuple(tuple(t) for t in block_tables)
+            self.meta.planned.append(SendTask(request_id, tuple(block_ids), num_tokens, tid, tables))
+
     def on_request_finished(
         self,
         request_id: str,

@@ -54,6 +54,27 @@ class Xfer:
     post_seconds: float = 0.0  # time NIXL took to accept it (initialize_xfer + transfer): per-descriptor cost
 
 
+@dataclass
+class Prepared:
+    """A READ or WRITE whose NIXL request exists but is not posted (NixlAgent.prepare): post_prepared() posts it,
+    release() frees it; exactly one of the two, once."""
+
+    handle: Any  # nixl_xfer_handle; None once posted or released
+    op: str  # "READ" | "WRITE"
+    peer: str  # remote agent name
+    num_bytes: int
+    num_descs: int  # descriptor rows
+
+    def release(self) -> None:
+        """Free the request (not posted: nothing can be in flight); idempotent, never raises."""
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            try:
+                handle.release()
+            except Exception as e:
+                log.warning("releasing a prepared %s to %s: %s", self.op, self.peer, e)
+
+
 class NixlAgent:
     def __init__(self, name: str, kv_cache: Any, spec: KVCacheSpec) -> None:
         """Create the agent (UCX, no progress thread) and register the KV cache buffer once (~0.4 s)."""
@@ -114,6 +135,38 @@ class NixlAgent:
             self._release(handle)
             raise AgentError(f"post {op} to {peer}: NIXL returned ERR")
         return Xfer(handle, peer, num_bytes, XferState(state), len(local), time.perf_counter() - started)
+
+    def prepare(self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, remote_memory: str = "") -> Prepared:
+        """Build NIXL's transfer request for post_prepared() later (descriptors checked and resolved now, off the
+        post's path). The caller owns it: post_prepared() or Prepared.release(). Raises AgentError."""
+        try:
+            handle = self._agent.initialize_xfer(
+                op,
+                self._agent.get_xfer_descs(local, self.memory),
+                self._agent.get_xfer_descs(remote, remote_memory or self.memory),
+                peer,
+            )
+        except Exception as e:
+            raise _wrap(f"initialize_xfer {op} to {peer}", e) from None
+        return Prepared(handle, op, peer, int(local[:, 1].sum()) if len(local) else 0, len(local))
+
+    def post_prepared(self, prepared: Prepared, notif: bytes = b"") -> Xfer:
+        """Post a prepare()d request with its notification (known only now); the Xfer owns the handle from here.
+        Raises AgentError; then nothing is in flight and the request is released."""
+        if prepared.handle is None:
+            raise AgentError(f"post {prepared.op} to {prepared.peer}: the prepared request was released")
+        handle, prepared.handle = prepared.handle, None
+        started = time.perf_counter()
+        try:
+            state = self._agent.transfer(handle, notif)
+        except Exception as e:
+            self._release(handle)
+            raise _wrap(f"post {prepared.op} to {prepared.peer}", e) from None
+        if state == "ERR":
+            self._release(handle)
+            raise AgentError(f"post {prepared.op} to {prepared.peer}: NIXL returned ERR")
+        seconds = time.perf_counter() - started
+        return Xfer(handle, prepared.peer, prepared.num_bytes, XferState(state), prepared.num_descs, seconds)
 
     def check(self, xfer: Xfer) -> XferState:
         """Progress a posted transfer. The handle is released once not PROC.

@@ -16,7 +16,7 @@ from pdserve.transfer.faults import NO_FAULTS, Faults
 from pdserve.transfer.heads import sources
 from pdserve.transfer.layout import Heads
 from pdserve.transfer.staging import Stager
-from pdserve.transfer.thread.agent import AgentError, NixlAgent, Xfer
+from pdserve.transfer.thread.agent import AgentError, NixlAgent, Prepared, Xfer
 from pdserve.transfer.thread.handshake import SideChannel
 from pdserve.transfer.thread.loop import Core, TransferLoop
 from pdserve.transfer.thread.peers import Peers
@@ -68,6 +68,13 @@ class TransferContext:
         if self.faults.fail_posts:
             raise AgentError(f"post {op} to {peer}: failed (test fault)")
         return self.agent.post(op, local, remote, peer, notif, remote_memory)
+
+    def post_prepared(self, prepared: Prepared, notif: bytes = b"") -> Xfer:
+        """NixlAgent.post_prepared(), or (the request released) the AgentError a test's Faults.fail_posts asks for."""
+        if self.faults.fail_posts:
+            prepared.release()
+            raise AgentError(f"post {prepared.op} to {prepared.peer}: failed (test fault)")
+        return self.agent.post_prepared(prepared, notif)
 
 
 class ModeCore(Core, Protocol):

@@ -31,6 +31,8 @@ class PushCore:
     def on_step(self, meta: StepMeta, now: float) -> None:
         for rid, tid in meta.expected:  # before sends and abandons: a request may end in its arrival step
             self.send.on_expect(rid, tid, now)
+        for s in meta.planned:  # after expected (it names an expected request), before its send
+            self.send.on_plan(s)
         for s in meta.sends:
             self.send.on_send(s, now)
         for rid in meta.abandoned:

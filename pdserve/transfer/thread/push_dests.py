@@ -31,7 +31,8 @@ MIN_KEEPALIVE_S = 0.05  # PushQueued goes at most this often per registration, w
 
 class DestSide(abc.ABC):
     """The rendezvous table and D's messages (transfer thread only). A subclass (push_send.SendSide) provides
-    _write: post the WRITE for one D rank's newest registration once the prefill is there."""
+    _write: post the WRITE for one D rank's newest registration once the prefill is there, and _prepare: lay it
+    out before that."""
 
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
@@ -41,6 +42,10 @@ class DestSide(abc.ABC):
 
     @abc.abstractmethod
     def _write(self, r: Rendezvous, d_rank: int) -> None: ...
+
+    @abc.abstractmethod
+    def _prepare(self, r: Rendezvous, d_rank: int) -> None:
+        """D rank d_rank registered while P works on the prefill: lay its WRITE out now if P's blocks are known."""
 
     # ---- how a rendezvous ends --------------------------------------------------------------------------------------
     def _give_up(self, r: Rendezvous, outcome: SendOutcome, why: str) -> None:
@@ -111,6 +116,7 @@ class DestSide(abc.ABC):
                 self._write(r, d_rank)
         elif tid in self.producers:
             self._start_keepalive(tid, d_rank, reg)
+            self._prepare(r, d_rank)
 
     def _expire_reg(self, tid: str, d_rank: int, reg: Registration) -> None:
         r = self.rv.get(tid)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.thread.agent import Xfer
 from pdserve.transfer.thread.peers import Peer
+from pdserve.transfer.thread.push_prepare import PreparedWrite
 from pdserve.transfer.thread.results import SendOutcome
 from pdserve.transfer.wire_notifs import PushRegister
 
@@ -31,9 +32,12 @@ class Registration:
 
 @dataclass
 class DestPart:
-    """One D rank's part of a transfer: its newest registration, its WRITE, and how its part ended."""
+    """One D rank's part of a transfer: its newest registration, its WRITE, and how its part ended. `reg` (the
+    newest registration not yet written) is a property: whatever replaces or clears it releases the WRITE
+    prepared for it (push_prepare.py), so no path that drops a registration can leave a prepared WRITE behind."""
 
-    reg: Registration | None = None  # the newest registration not yet written
+    _reg: Registration | None = None  # reg's value
+    prepared: PreparedWrite | None = None  # reg's WRITE, laid out before the prefill ended (push_prepare.py)
     max_attempt: int = -1  # newest attempt seen from this D rank; older registrations are refused
     write_reg: Registration | None = None  # the registration being written
     xfer: Xfer | None = None  # the WRITE in flight (None for a zero-token transfer)
@@ -45,6 +49,22 @@ class DestPart:
     @property
     def writing(self) -> bool:
         return self.write_reg is not None
+
+    @property
+    def reg(self) -> Registration | None:
+        return self._reg
+
+    @reg.setter
+    def reg(self, reg: Registration | None) -> None:
+        if self.prepared is not None and self.prepared.reg is not reg:
+            self.prepared.release()
+            self.prepared = None
+        self._reg = reg
+
+    def take_prepared(self) -> PreparedWrite | None:
+        """The WRITE prepared for reg, now the caller's (it is about to be written)."""
+        prepared, self.prepared = self.prepared, None
+        return prepared
 
 
 @dataclass

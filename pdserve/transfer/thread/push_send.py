@@ -30,7 +30,11 @@ import time
 
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.faults import FaultPoint
+from pdserve.transfer.layout import LayoutError
+from pdserve.transfer.thread.agent import AgentError
+from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.push_dests import DestSide
+from pdserve.transfer.thread.push_prepare import PreparedWrite, PreparedWrites, lay_out
 from pdserve.transfer.thread.push_rendezvous import Rendezvous
 from pdserve.transfer.thread.push_write import WriteOver, check_write, notify, post_write
 from pdserve.transfer.thread.results import SendOutcome
@@ -44,6 +48,12 @@ ABANDONED = "the prefill request was aborted on the prefill instance"
 class SendSide(DestSide):
     """P's push side: its own requests (expected, abandoned, handed over, released, expired) and the WRITEs;
     D's registrations and cancels are DestSide's (push_dests.py)."""
+
+    def __init__(self, ctx: TransferContext) -> None:
+        super().__init__(ctx)
+        self.planned: dict[str, SendTask] = {}  # transfer id -> the blocks its prefill will hand over (on_plan)
+        # the WRITEs prepared and not yet posted; their number goes to the sink when it changes
+        self.prepared_writes = PreparedWrites(lambda n: ctx.sink.prepared_writes(n))
 
     # ---- P's own requests: expected at arrival, then exactly one send or abandon ------------------------------------
     def on_expect(self, request_id: str, tid: str, now: float) -> None:
@@ -60,11 +70,53 @@ class SendSide(DestSide):
         tid = self.producers.remove(request_id)
         if tid is None or tid in self.producers:
             return  # not expected, or another request of P still produces this transfer
+        self.planned.pop(tid, None)
         r = self.rv.get(tid)
         if r is not None and (r.send is not None or r.writing):
             return  # another prefill was handed over for it: that one is written
         log.info("push: transfer %s abandoned (request %s aborted)", tid, request_id)
         self._done(r or Rendezvous(tid), ABANDONED)  # pending registrations get PushFail now
+
+    # ---- P's blocks known before the prefill ends: the WRITEs laid out (push_prepare.py) -----------------------------
+    def on_plan(self, task: SendTask) -> None:
+        """The prompt's last chunk of a request producing task.transfer_id was scheduled: its blocks are task's.
+        Prepare the WRITE of every D rank registered so far; later registrations are prepared as they come."""
+        tid = task.transfer_id
+        assert tid is not None
+        if tid not in self.producers or tid in self.finished:
+            return  # abandoned meanwhile (the step's abandons come after it), or over
+        self.planned[tid] = task
+        r = self.rv.get(tid)
+        if r is not None and r.send is None:
+            for d_rank in list(r.dests):
+                self._prepare(r, d_rank)
+
+    def _prepare(self, r: Rendezvous, d_rank: int) -> None:
+        """Lay out D rank d_rank's WRITE of its newest registration from the planned blocks, while P computes."""
+        x, plan = r.dests[d_rank], self.planned.get(r.transfer_id)
+        reg = x.reg
+        if plan is None or reg is None or x.writing or r.send is not None:
+            return
+        if x.prepared is not None:
+            return  # prepared for reg already (DestPart.reg releases it when reg changes)
+        msg = reg.msg
+        try:
+            if msg.start_token + msg.num_tokens > plan.num_tokens:
+                return  # the post refuses it, with the finished prefill's numbers
+            layout = lay_out(self.ctx, plan.tables, msg, reg.peer, lambda _: None)
+        except LayoutError:
+            return  # refused at the post, with its reason
+        request = None
+        if layout.heads is not None and msg.num_tokens > 0:
+            try:
+                request = self.ctx.agent.prepare("WRITE", layout.local, layout.remote, reg.peer.agent_name,
+                                                 reg.peer.info.memory)  # fmt: skip
+            except AgentError as e:  # posted from the layout's rows at the prefill's end, failing there if it must
+                log.info("push %s: could not prepare the WRITE to D rank %d: %s", r.transfer_id, d_rank, e)
+        x.prepared = self.prepared_writes.add(
+            PreparedWrite(reg, msg.start_token + msg.num_tokens, layout, request, self.prepared_writes.forget)
+        )
+        self.ctx.sink.event(plan.request_id, "write_prepared")
 
     # ---- the finished prefill ---------------------------------------------------------------------------------------
     def on_send(self, task: SendTask, now: float) -> None:
@@ -75,6 +127,7 @@ class SendSide(DestSide):
         tid = task.transfer_id
         assert tid is not None  # the push scheduler half sends only tasks with a transfer id
         self.producers.remove(task.request_id)
+        self.planned.pop(tid, None)  # the WRITEs prepared from it stay with their registrations
         r = self.rv.get(tid) or Rendezvous(tid)
         if (fin := self.finished.get(tid)) is not None and r.send is None and not r.writing:
             log.info("push: transfer %s is over (%s); freeing request %s's prefill", tid, fin[1], task.request_id)
@@ -123,8 +176,9 @@ class SendSide(DestSide):
         x = r.dests[d_rank]
         reg, send = x.reg, r.send
         assert reg is not None and send is not None
+        prepared = x.take_prepared()  # (before reg is cleared, which would release it)
         x.reg, x.write_reg, x.cancel_asked = None, reg, False
-        self._over(r, d_rank, post_write(self.ctx, r.transfer_id, send, x, d_rank))
+        self._over(r, d_rank, post_write(self.ctx, r.transfer_id, send, x, d_rank, prepared))
 
     def progress(self, now: float) -> bool:
         hot = False

@@ -1,8 +1,9 @@
 """Push, prefill side: one D rank's WRITE, from its registration to DONE or ERR, and P's notifications to D.
 
-post_write checks a registration against D's handshake and the prefill, builds the descriptors of the heads
-that D rank takes from this P rank (heads.py), stages them out when there is a host mirror, and posts one
-WRITE carrying a PushDone; check_write polls it. Both only say how the WRITE ended (WriteOver, or None while it
+post_write checks a registration against D's handshake and the prefill, takes the WRITE laid out before the
+prefill ended (push_prepare.py: descriptors of the heads that D rank takes from this P rank, NIXL's request) or
+lays it out now, stages the blocks out when there is a host mirror, and posts one WRITE carrying a PushDone;
+check_write polls it. Both only say how the WRITE ended (WriteOver, or None while it
 is in flight): what that means for the transfer (refusals, freeing P's blocks) is push_send.SendSide's to
 decide. Kept apart so the byte-moving half can be read, and changed, without the rendezvous' bookkeeping.
 """
@@ -11,17 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.heads import num_producers
-from pdserve.transfer.layout import LayoutError, descriptors, group_ranges, group_segments, pad_last_blocks
+from pdserve.transfer.layout import LayoutError
 from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.kv_verify import producer_sums
+from pdserve.transfer.thread.push_prepare import PreparedWrite, lay_out
 from pdserve.transfer.thread.push_rendezvous import DestPart
 from pdserve.transfer.wire import Message, encode
-from pdserve.transfer.wire_notifs import PushDone, PushRegister
+from pdserve.transfer.wire_notifs import PushDone
 
 log = logging.getLogger(__name__)
 
@@ -34,55 +37,56 @@ class WriteOver:
     error: str | None  # why not, when not ok
 
 
-def post_write(ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPart, d_rank: int) -> WriteOver | None:
+def post_write(
+    ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPart, d_rank: int,
+    prepared: PreparedWrite | None = None,
+) -> WriteOver | None:  # fmt: skip
     """Post the WRITE of x.write_reg (D rank d_rank's registration being written) from send's blocks, setting
-    x.xfer, x.posted_at and x.silent; None while the WRITE is in flight (check_write polls it)."""
+    x.xfer, x.posted_at and x.silent; None while the WRITE is in flight (check_write polls it). prepared: that
+    registration's WRITE laid out before the prefill ended (push_prepare.py), used when it still fits the
+    finished prefill's blocks and released otherwise."""
     reg = x.write_reg
     assert reg is not None
     msg, peer = reg.msg, reg.peer
+    if prepared is not None and not prepared.fits(send.num_tokens, send.tables, ctx.geometry.block_size):
+        log.info("push %s: the prefill's blocks changed since its WRITE was prepared; laid out again", transfer_id)
+        prepared.release()
+        prepared = None
     try:
-        if msg.block_size != peer.info.geometry.block_size:
-            raise LayoutError(
-                f"registration says block size {msg.block_size}, handshake said {peer.info.geometry.block_size}"
-            )
         if msg.start_token + msg.num_tokens > send.num_tokens:
             raise LayoutError(
                 f"the prefill has KV for {send.num_tokens} tokens, D asked up to {msg.start_token + msg.num_tokens}"
             )
-        segs = group_segments(
-            ctx.geometry, send.tables, peer.info.geometry, msg.block_tables or [msg.block_ids], ctx.geometry.windows,
-            msg.start_token, msg.num_tokens,
-        )  # fmt: skip
-        segs = pad_last_blocks(ctx.geometry, peer.info.geometry, segs)  # D's fresh blocks: safe (its docstring)
-        ctx.sink.event(send.request_id, "write_segments")  # the hand-over's parts (bench/phases.py splits it)
-        heads = ctx.heads_to(peer.info)  # this rank's slice of D's rank's heads (heads.py)
-        if heads is not None:
-            local, remote = descriptors(ctx.spec, peer.info, segs, heads)
-            ctx.sink.event(send.request_id, "write_descriptors")
+        # the hand-over's parts (bench/phases.py splits it): laid out here, or before the prefill ended
+        layout = prepared.layout if prepared is not None else lay_out(ctx, send.tables, msg, peer, _marker(ctx, send))
     except LayoutError as e:
         return WriteOver(False, f"cannot write: {e}")
-    if heads is None:  # D's rank gets its heads from other ranks of P: this rank's part is over, unannounced
+    request = prepared.take() if prepared is not None else None  # NIXL's request, ours to post or free now
+    if layout.heads is None:  # D's rank gets its heads from other ranks of P: this rank's part is over, unannounced
         x.silent = True
         return WriteOver(True, None)
-    nbytes = int(local[:, 1].sum()) if len(local) else 0
     n_prod = num_producers(ctx.geometry.total_kv_heads, ctx.spec.tp_size, peer.info.tp_size, d_rank)
     # D's first output token, when D asked for the KV up to where the prefill's ends (kv.params.hands_first_token)
     ends_there = msg.start_token + msg.num_tokens == send.num_tokens
     first = send.first_token_id if ends_there and send.first_token_id is not None else -1
-    done = PushDone(transfer_id, msg.attempt, ctx.spec.tp_rank, n_prod, nbytes, first_token_id=first)
+    done = PushDone(transfer_id, msg.attempt, ctx.spec.tp_rank, n_prod, layout.num_bytes, first_token_id=first)
     x.posted_at, posted_wall = time.monotonic(), time.time()  # the post may complete the WRITE
     try:
         if msg.num_tokens == 0:
             ctx.agent.send_notif(peer.agent_name, encode(done))
         else:
-            ranges = _ranges(ctx, msg, peer.info.geometry.block_size)
             if ctx.stager is not None:  # KV cache -> host mirror, exactly the blocks this WRITE reads
-                for table, (first, end) in zip(send.tables, ranges, strict=True):
-                    ctx.stager.stage_out(table, first, end - first)
+                for table, (first_tok, end) in zip(send.tables, layout.ranges, strict=True):
+                    ctx.stager.stage_out(table, first_tok, end - first_tok)
             if ctx.checksum is not None:  # over what the WRITE reads (the mirror when staged): kv_verify.py
-                done = replace(done, checksum=producer_sums(ctx, send.tables, ranges, heads))
-            x.xfer = ctx.post("WRITE", local, remote, peer.agent_name, encode(done), peer.info.memory)
+                done = replace(done, checksum=producer_sums(ctx, send.tables, list(layout.ranges), layout.heads))
+            if request is not None:
+                x.xfer = ctx.post_prepared(request, encode(done))
+            else:
+                x.xfer = ctx.post("WRITE", layout.local, layout.remote, peer.agent_name, encode(done), peer.info.memory)
     except (AgentError, RuntimeError) as e:
+        if request is not None:
+            request.release()  # (not posted: nothing in flight)
         if isinstance(e, PeerGone):
             ctx.peers.forget(peer)
         return WriteOver(False, f"WRITE to {peer.engine_id} rank {d_rank} not posted: {e}")
@@ -91,6 +95,10 @@ def post_write(ctx: TransferContext, transfer_id: str, send: SendTask, x: DestPa
     if x.xfer is not None:
         ctx.sink.posted(x.xfer.num_descs, x.xfer.post_seconds)
     return check_write(ctx, x, d_rank)
+
+
+def _marker(ctx: TransferContext, send: SendTask) -> Callable[[str], None]:
+    return lambda name: ctx.sink.event(send.request_id, name)
 
 
 def check_write(ctx: TransferContext, x: DestPart, d_rank: int) -> WriteOver | None:
@@ -109,12 +117,6 @@ def check_write(ctx: TransferContext, x: DestPart, d_rank: int) -> WriteOver | N
     if state is XferState.ERR:
         return WriteOver(False, f"WRITE to {peer.engine_id} rank {d_rank} failed")
     return None
-
-
-def _ranges(ctx: TransferContext, msg: PushRegister, remote_block_size: int) -> list[tuple[int, int]]:
-    """Per KV group, the tokens this WRITE reads (layout.group_ranges)."""
-    bs = (ctx.geometry.block_size, remote_block_size)
-    return group_ranges(ctx.geometry.windows, msg.start_token, msg.num_tokens, *bs)
 
 
 def notify(ctx: TransferContext, agent_name: str, msg: Message) -> None:

@@ -83,6 +83,11 @@ class ResultSink:
         with self._lock:
             self._stats.posts.append((num_descs, post_seconds))
 
+    def prepared_writes(self, num: int) -> None:
+        """P (push): `num` WRITEs are prepared and not yet posted (TransferStats.prepared_writes)."""
+        with self._lock:
+            self._stats.prepared_writes = num
+
     def checksum_failed(self) -> None:
         """A recv's received KV did not match the producer's checksum (--kv-checksum; its recv_failed follows)."""
         with self._lock:
@@ -105,7 +110,7 @@ class ResultSink:
             s = self._stats
             snap = TransferStats(
                 s.sent_bytes, s.received_bytes, s.transfers_ok, s.transfers_failed, s.transfers_expired,
-                s.transfer_seconds, s.posts, s.checksum_failures,
+                s.transfer_seconds, s.posts, s.checksum_failures, prepared_writes=s.prepared_writes,
             )  # fmt: skip
             s.transfer_seconds, s.posts = [], []
         return snap

@@ -1,0 +1,143 @@
+"""Push: P lays a WRITE out before its prefill ends (thread/push_prepare.py), over real NIXL between processes.
+
+P learns its blocks when the prompt's last chunk is scheduled ("scheduled", ConnectorScheduler.on_prefill_scheduled)
+and D's rank its registration; whichever comes second prepares the WRITE, and the prefill's end only posts it. Each
+case checks the bytes D got and P's count of prepared WRITEs (TransferStats.prepared_writes), which must be back
+to 0 however the transfer ended: posted, abandoned, cancelled, superseded, or laid out again because P's blocks
+changed. One P and one D serve the module; ids are unique per test."""
+
+import time
+
+import numpy as np
+import pytest
+
+from pdserve.testing.transfer_pair import Instance, close_all, events, expected_kv, push_params, start_all
+
+
+@pytest.fixture(scope="module")
+def cl():
+    insts = start_all(p=Instance("prefill", "push", block_size=4), d=Instance("decode", "push", block_size=4))
+    yield insts
+    close_all(insts)
+
+
+def wait_for(what, pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
+        time.sleep(0.005)
+
+
+def prepared(p):
+    return p.call("stats")["prepared_writes"]
+
+
+def register(d, tid, d_params, blocks, num_prompt):
+    d.call("needs", f"d-{tid}", d_params)
+    d.call("alloc", f"d-{tid}", blocks, 0, num_prompt)
+
+
+def test_prepared_when_registered_then_posted_at_the_prefill_end(cl):
+    """P's blocks known first, D registers: prepared then; the prefill's end posts it (not laid out again)."""
+    p, d = cl["p"], cl["d"]
+    pa, da = push_params(p, "a1")
+    p.call("needs", "p-a1", pa)
+    p.call("scheduled", "p-a1", [5, 6, 9], 11, pa)
+    before, p_kv = d.kv(), p.kv()
+    register(d, "a1", da, [3, 4, 11], 11)
+    wait_for("write_prepared", lambda: "write_prepared" in events(p, "p-a1"))
+    assert prepared(p) == 1
+    p.call("finish", "p-a1", [5, 6, 9], 11, pa)
+    assert d.wait_result("d-a1") == ("finished", None)
+    p.wait_send("p-a1")
+    assert np.array_equal(d.kv(), expected_kv(before, p_kv, [3, 4, 11], [5, 6, 9], 0, 10))
+    ev = events(p, "p-a1")
+    assert "write_segments" not in ev and ev["write_prepared"] < ev["send_taken"] <= ev["transfer_posted"]
+    assert prepared(p) == 0
+
+
+def test_prepared_when_scheduled_after_the_registration(cl):
+    """D registers first (P's request queued), then P schedules the prompt's last chunk: prepared then."""
+    p, d = cl["p"], cl["d"]
+    pa, da = push_params(p, "a2")
+    p.call("needs", "p-a2", pa)
+    before, p_kv = d.kv(), p.kv()
+    register(d, "a2", da, [7, 8], 8)
+    wait_for("prefill_queued", lambda: "prefill_queued" in events(d, "d-a2"))  # P holds the registration
+    p.call("scheduled", "p-a2", [1, 2], 8, pa)
+    wait_for("write_prepared", lambda: "write_prepared" in events(p, "p-a2"))
+    p.call("finish", "p-a2", [1, 2], 8, pa)
+    assert d.wait_result("d-a2") == ("finished", None)
+    p.wait_send("p-a2")
+    assert np.array_equal(d.kv(), expected_kv(before, p_kv, [7, 8], [1, 2], 0, 7))
+    assert "write_segments" not in events(p, "p-a2") and prepared(p) == 0
+
+
+def test_changed_blocks_are_laid_out_again(cl):
+    """The finished prefill names other blocks than the scheduled chunk did: the WRITE reads the finished
+    prefill's (a prepared WRITE posted as it was would copy blocks 0 and 1)."""
+    p, d = cl["p"], cl["d"]
+    pa, da = push_params(p, "a3")
+    p.call("needs", "p-a3", pa)
+    p.call("scheduled", "p-a3", [0, 1], 8, pa)
+    before, p_kv = d.kv(), p.kv()
+    register(d, "a3", da, [12, 13], 8)
+    wait_for("write_prepared", lambda: "write_prepared" in events(p, "p-a3"))
+    p.call("finish", "p-a3", [0, 10], 8, pa)
+    assert d.wait_result("d-a3") == ("finished", None)
+    p.wait_send("p-a3")
+    assert np.array_equal(d.kv(), expected_kv(before, p_kv, [12, 13], [0, 10], 0, 7))
+    assert "write_segments" in events(p, "p-a3") and prepared(p) == 0
+
+
+def test_abandoned_prefill_frees_its_prepared_write(cl):
+    p, d = cl["p"], cl["d"]
+    pa, da = push_params(p, "a4")
+    p.call("needs", "p-a4", pa)
+    p.call("scheduled", "p-a4", [2, 3], 8, pa)
+    before = d.kv()
+    register(d, "a4", da, [0, 1], 8)
+    wait_for("write_prepared", lambda: "write_prepared" in events(p, "p-a4"))
+    assert prepared(p) == 1
+    p.call("abort_request", "p-a4")
+    kind, reason = d.wait_result("d-a4")
+    assert kind == "failed" and "aborted on the prefill instance" in reason
+    wait_for("prepared_writes == 0", lambda: prepared(p) == 0)
+    assert np.array_equal(d.kv(), before)
+
+
+def test_cancelled_then_newer_attempt_gets_a_fresh_write(cl):
+    """D's attempt 0 is prepared, then cancelled (its blocks must stay untouched); attempt 1 registers other
+    blocks, is prepared in turn, and gets the data. Nothing stays prepared."""
+    p, d = cl["p"], cl["d"]
+    pa, da = push_params(p, "a5")
+    p.call("needs", "p-a5", pa)
+    p.call("scheduled", "p-a5", [4, 5], 8, pa)
+    register(d, "a5a", da, [0, 1], 8)
+    wait_for("first write_prepared", lambda: "write_prepared" in events(p, "p-a5"))
+    d.call("abort", "d-a5a")
+    assert d.wait_result("d-a5a") == ("cancelled", None)
+    wait_for("prepared_writes == 0", lambda: prepared(p) == 0)
+    before, p_kv = d.kv(), p.kv()
+    register(d, "a5b", da, [14, 15], 8)
+    wait_for("second write_prepared", lambda: prepared(p) == 1)
+    p.call("finish", "p-a5", [4, 5], 8, pa)
+    assert d.wait_result("d-a5b") == ("finished", None)
+    p.wait_send("p-a5")
+    assert np.array_equal(d.kv(), expected_kv(before, p_kv, [14, 15], [4, 5], 0, 7))  # blocks 0, 1 untouched
+    assert prepared(p) == 0
+
+
+def test_registration_after_the_prefill_ended_is_laid_out_then(cl):
+    p, d = cl["p"], cl["d"]
+    pa, da = push_params(p, "a6")
+    p.call("needs", "p-a6", pa)
+    p.call("scheduled", "p-a6", [8, 9], 8, pa)
+    before, p_kv = d.kv(), p.kv()
+    p.call("finish", "p-a6", [8, 9], 8, pa)
+    register(d, "a6", da, [10, 11], 8)
+    assert d.wait_result("d-a6") == ("finished", None)
+    p.wait_send("p-a6")
+    assert np.array_equal(d.kv(), expected_kv(before, p_kv, [10, 11], [8, 9], 0, 7))
+    ev = events(p, "p-a6")
+    assert "write_prepared" not in ev and "write_segments" in ev and prepared(p) == 0
