@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.credentials import INTERNAL_CALLER, Credentials, RouteRole
+from pdserve.http_timeline import StampReceived
 
 T = TypeVar("T")
 
@@ -178,10 +179,12 @@ def is_internal_caller(request: Request) -> bool:
 
 
 def protect(app: Starlette, credentials: Credentials | None, max_body_bytes: int) -> None:
-    """Add the shared middleware to a FastAPI/Starlette app: body-size limit, then the keys if any is set."""
+    """Add the shared middleware to a FastAPI/Starlette app: body-size limit, then the keys if any is set, and
+    outermost the stamp of each request's arrival (http_timeline.py)."""
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if credentials is not None and credentials.is_enabled:
         app.add_middleware(RoleAuth, credentials=credentials)
+    app.add_middleware(StampReceived)
 
 
 class BodySizeLimit:
@@ -229,7 +232,7 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes | str) -> Any:
     """The JSON document `body` as json.loads reads it, through pydantic-core's parser where that reads it too (a
     16k-id prompt in about half the time); what it refuses goes to json.loads: a non-JSON body raises its
     JSONDecodeError, one only json reads (a lone surrogate escape) parses as before. Router and instances."""

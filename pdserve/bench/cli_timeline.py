@@ -9,6 +9,7 @@ import sys
 import urllib.error
 from pathlib import Path
 
+from pdserve.bench.phase_split import split_medians, split_table
 from pdserve.bench.phases import PHASES, request_phases
 from pdserve.bench.timeline import draw, fetch, join, load_saved, save
 
@@ -19,8 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fetch",
         action="append",
         default=[],
-        metavar="MODE=PREFILL_URL,DECODE_URL",
-        help="read GET /timeline of a running prefill and decode instance (repeat for push and pull)",
+        metavar="MODE=PREFILL_URL,DECODE_URL[,ROUTER_URL]",
+        help="read GET /timeline of a running prefill and decode instance, and of their router if given (its "
+        "steps split router->P and pull's relay); repeat for push and pull",
     )
     parser.add_argument("--save-dir", type=Path, default=None, help="also save fetched timelines here")
     parser.add_argument("--match", default=None, help="only requests whose id contains this")
@@ -31,15 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fetch_panel(spec: str, save_dir: Path | None) -> tuple[str, list]:
     mode, sep, urls = spec.partition("=")
     parts = [u.strip() for u in urls.split(",")]
-    if not sep or len(parts) != 2:
-        raise ValueError(f"--fetch {spec!r} is not MODE=PREFILL_URL,DECODE_URL")
+    if not sep or len(parts) not in (2, 3):
+        raise ValueError(f"--fetch {spec!r} is not MODE=PREFILL_URL,DECODE_URL[,ROUTER_URL]")
     prefill, decode = fetch(parts[0]), fetch(parts[1])
+    router = fetch(parts[2]) if len(parts) == 3 else []
     if save_dir is not None:
         save_dir.mkdir(parents=True, exist_ok=True)
         path = save_dir / f"timeline_{mode}.json"
-        save(path, mode, prefill, decode)
+        save(path, mode, prefill, decode, router)
         print(f"saved {path}")
-    return mode, join(prefill, decode)
+    return mode, join(prefill, decode, router)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
                 for label, seconds in request_phases(mode, tl, {}).items():
                     per_phase.setdefault(label, []).append(seconds)
             print("  median ms: " + " | ".join(f"{k} {1000 * statistics.median(v):.2f}" for k, v in per_phase.items()))
+        split = split_medians(mode, [(tl, {}) for tl in tls])  # the router's and the instances' edge events
+        if split:
+            print(split_table(mode, split))
     out = draw(panels, args.out, args.max_requests)
     print(f"timeline written to {out}")
     return 0

@@ -205,10 +205,19 @@ class Sweep:
         try:
             p_entries = [e for url in ends.prefill_urls for e in fetch(url)]
             d_entries = [e for url in ends.decode_urls for e in fetch(url)]
-            save(path, arm.mode, p_entries, d_entries)
+            save(path, arm.mode, p_entries, d_entries, _router_entries(ends.router_url))
             self.log(f"[{arm.label}] timeline written to {path}")
         except OSError as e:
             self.log(f"[{arm.label}] no timeline: {e}")
+
+
+def _router_entries(url: str) -> list[dict]:
+    """The router's /timeline (its edge events split router->P and the relay: bench/phase_split.py); [] from a
+    router without one (an older pdserve, another proxy)."""
+    try:
+        return fetch(url)
+    except (OSError, ValueError):
+        return []
 
 
 def pooled_attainment(runs: Sequence[tuple[float, int]]) -> float:

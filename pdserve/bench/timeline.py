@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,11 @@ class RequestTimeline:
     request_id: str
     prefill: dict[str, float] = field(default_factory=dict)  # events seen by the prefill instance
     decode: dict[str, float] = field(default_factory=dict)  # events seen by the decode instance
+    router: dict[str, float] = field(default_factory=dict)  # the router's edge events (http_timeline.py)
 
     def event(self, role: str, name: str) -> float | None:
-        return (self.prefill if role == "P" else self.decode).get(name)
+        """`role`: "P", "D" or "R" (the router)."""
+        return {"P": self.prefill, "D": self.decode, "R": self.router}[role].get(name)
 
     @property
     def start(self) -> float:
@@ -74,18 +77,26 @@ def _events(entry: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in (entry.get("events") or {}).items() if v is not None}
 
 
-def join(prefill_entries: list[dict], decode_entries: list[dict]) -> list[RequestTimeline]:
-    """Match entries by request id; a "both" entry fills both lanes. Sorted by first event."""
+def join(
+    prefill_entries: list[dict], decode_entries: list[dict], router_entries: list[dict] | None = None
+) -> list[RequestTimeline]:
+    """Match entries by request id; a "both" entry fills both lanes. A router's entry (role "router") adds its
+    events to a request an instance saw. Sorted by first event."""
     by_id: dict[str, RequestTimeline] = {}
-    for entries, default_role in ((prefill_entries, "prefill"), (decode_entries, "decode")):
+    sources = ((prefill_entries, "prefill"), (decode_entries, "decode"), (router_entries or [], "router"))
+    for entries, default_role in sources:
         for entry in entries:
             key = normalize_id(str(entry.get("client_request_id") or entry.get("request_id", "")))
+            if default_role == "router" and key not in by_id:
+                continue
             tl = by_id.setdefault(key, RequestTimeline(key))
             role = entry.get("role", default_role)
             if role in ("prefill", "both"):
                 tl.prefill.update(_events(entry))
             if role in ("decode", "both"):
                 tl.decode.update(_events(entry))
+            if role == "router":
+                tl.router.update(_events(entry))
     return sorted(by_id.values(), key=lambda t: t.start)
 
 
@@ -96,15 +107,20 @@ def fetch(url: str, timeout_s: float = 10.0) -> list[dict]:
     return data.get("requests", []) if isinstance(data, dict) else data
 
 
-def save(path: Path, mode: str, prefill_entries: list[dict], decode_entries: list[dict]) -> None:
-    """Write one mode's /timeline entries of both instances to one file (what `load_saved` reads)."""
-    path.write_text(json.dumps({"mode": mode, "prefill": prefill_entries, "decode": decode_entries}))
+def save(
+    path: Path, mode: str, prefill_entries: list[dict], decode_entries: list[dict], router_entries: Sequence[dict] = ()
+) -> None:
+    """Write one mode's /timeline entries of both instances (and the router's) to one file (what `load_saved`
+    reads)."""
+    data = {"mode": mode, "prefill": prefill_entries, "decode": decode_entries, "router": list(router_entries)}
+    path.write_text(json.dumps(data))
 
 
 def load_saved(path: Path) -> tuple[str, list[RequestTimeline]]:
     """A file written by `pdserve sweep --save-timeline` or `pdserve timeline --save-dir`: (mode, timelines)."""
     data = json.loads(Path(path).read_text())
-    return data.get("mode", Path(path).stem), join(data.get("prefill", []), data.get("decode", []))
+    timelines = join(data.get("prefill", []), data.get("decode", []), data.get("router", []))
+    return data.get("mode", Path(path).stem), timelines
 
 
 def _span(tl: RequestTimeline, starts: list, ends: list) -> tuple[float, float] | None:

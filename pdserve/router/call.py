@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pdserve.http_timeline import events_of
 from pdserve.openai_request import SamplingFields
 from pdserve.web import REQUEST_ID_HEADER
 
@@ -33,6 +34,11 @@ class Call:
 
     def __post_init__(self) -> None:
         self.headers = {REQUEST_ID_HEADER: self.request_id}
+
+    @property
+    def events(self) -> dict[str, float]:
+        """This call's edge timeline (http_timeline.py: the router's GET /timeline shows it)."""
+        return events_of(self.http)
 
 
 def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:

@@ -143,13 +143,13 @@ class Orchestrator:
         if not call.is_stream:
             with self.decode.lease(d):
                 answer = await race_disconnect(
-                    post_json(self.session, leg, d.url, call.path, body, call.headers), call.http
+                    post_json(self.session, leg, d.url, call.path, body, call.headers, call.events), call.http
                 )
             return JSONResponse(answer, headers=call.headers)
         lease = self.decode.lease(d)
         try:
             resp = await race_disconnect(
-                open_stream(self.session, leg, d.url, call.path, body, call.headers), call.http
+                open_stream(self.session, leg, d.url, call.path, body, call.headers, call.events), call.http
             )
         except BaseException:
             lease.release()
@@ -173,7 +173,7 @@ class Orchestrator:
         with self.prefill.lease(p):
             body = prefill_body(call.body, encode(RemoteDecode(None, None, None, call.max_tokens)))
             answer = await race_disconnect(
-                post_json(self.session, "prefill", p.url, call.path, body, call.headers), call.http
+                post_json(self.session, "prefill", p.url, call.path, body, call.headers, call.events), call.http
             )
         raw = answer.get("kv_transfer_params")
         try:
@@ -201,13 +201,14 @@ class Orchestrator:
             if not call.is_stream:
                 with self.decode.lease(d):
                     answer = await race_disconnect(
-                        post_json(self.session, "decode", d.url, call.path, d_body, call.headers), call.http
+                        post_json(self.session, "decode", d.url, call.path, d_body, call.headers, call.events),
+                        call.http,
                     )
                 return JSONResponse(answer, headers=call.headers)
             d_lease = self.decode.lease(d)
             try:
                 resp = await race_disconnect(
-                    open_stream(self.session, "decode", d.url, call.path, d_body, call.headers), call.http
+                    open_stream(self.session, "decode", d.url, call.path, d_body, call.headers, call.events), call.http
                 )
             except BaseException:
                 d_lease.release()

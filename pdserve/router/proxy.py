@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.http_timeline import EdgeTimelines, events_of, mark
 from pdserve.kv.capability import KVAuth
 from pdserve.openai_request import CHAT_PATH, COMPLETIONS_PATH, parse_request
 from pdserve.router import prompt_tokens
@@ -70,6 +71,7 @@ class RouterState:
         urls = [b.url for pool in (self.prefill, self.decode) if pool is not None for b in pool.backends]
         self.kv_index = KVIndex(urls if self.is_kv_aware else [], config.kv_index_max_keys)  # URL -> prefix index
         self.metrics = RouterMetrics()  # the router's own /metrics
+        self.edge = EdgeTimelines("router")  # each call's edge events (GET /timeline)
         self._orchestrator: Orchestrator | None = None
 
     def attach(self, orchestrator: Orchestrator) -> None:
@@ -156,7 +158,10 @@ async def _relay(path: str, request: Request) -> Response:
     if wrong_type is not None:  # the instances would refuse it: see web.py
         return error_response(400, wrong_type)
     try:
-        body = parse_json(await request.body())
+        raw = await request.body()
+        mark(request, "body_read")
+        body = parse_json(raw)
+        mark(request, "body_parsed")
     except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json can parse
         return error_response(400, f"invalid request: body is not JSON: {type(e).__name__}: {e}")
     if not isinstance(body, dict):
@@ -166,7 +171,10 @@ async def _relay(path: str, request: Request) -> Response:
     except ValueError as e:
         log.info("POST %s refused with 400: %s", path, e)
         return error_response(400, str(e))
-    request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
+    mark(request, "body_validated")
+    client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+    request_id = client_id or uuid.uuid4().hex
+    state.edge.add(request_id, client_id, events_of(request))
     call = Call(path, body, request_id, request, parsed.stream, parsed.requested_max_tokens, parsed=parsed)
     status = 200
     try:
@@ -221,6 +229,12 @@ async def health(request: Request) -> Response:
     if state.colocated:
         return JSONResponse({"status": "ok", "instances": list(config.instance_urls)})
     return JSONResponse({"status": "ok", "prefill": list(config.prefill_urls), "decode": list(config.decode_urls)})
+
+
+@routes.get("/timeline")
+async def timeline(request: Request) -> Response:
+    """The edge events of the router's recent calls (http_timeline.py), in the instances' /timeline shape."""
+    return JSONResponse(_state(request).edge.snapshot())
 
 
 @routes.get("/metrics")

@@ -100,7 +100,7 @@ class Push:
         d_lease = self.decode.lease(d)
         opener = open_stream if call.is_stream else post_json
         d_task: asyncio.Task[Any] = asyncio.create_task(
-            opener(self.session, "decode", d.url, call.path, d_body, call.headers)
+            opener(self.session, "decode", d.url, call.path, d_body, call.headers, call.events)
         )
         watch = asyncio.create_task(until_disconnect(call.http))
         succeeded = False
@@ -135,4 +135,4 @@ class Push:
 
     async def _prefill_leg(self, p: Backend, body: dict[str, Any], call: Call) -> dict[str, Any]:
         with self.prefill.lease(p):
-            return await post_json(self.session, "prefill", p.url, call.path, body, call.headers)
+            return await post_json(self.session, "prefill", p.url, call.path, body, call.headers, call.events)

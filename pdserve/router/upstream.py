@@ -9,12 +9,13 @@ retry); an unreachable backend, another 5xx or a broken answer becomes a 502 who
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import aiohttp
 import pydantic_core
 
-from pdserve.web import error_body
+from pdserve.web import error_body, parse_json
 
 
 class LegError(Exception):
@@ -87,28 +88,61 @@ def _unreachable(leg: str, url: str, e: BaseException) -> LegError:
     return LegError(leg, url, f"{leg} leg to {url} failed: {reason}")
 
 
+def _mark(events: dict[str, float] | None, event: str) -> None:
+    if events is not None:
+        events.setdefault(event, time.time())
+
+
+def _encoded(
+    leg: str, body: dict[str, Any], headers: dict[str, str], events: dict[str, float] | None
+) -> tuple[bytes, dict[str, str]]:
+    """A leg's body as JSON bytes and its headers; marks `<leg>_sent` in `events` (the call's timeline)."""
+    data = encode_json(body).encode()
+    _mark(events, f"{leg}_sent")
+    return data, {**headers, "Content-Type": "application/json"}
+
+
 async def post_json(
-    session: aiohttp.ClientSession, leg: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    session: aiohttp.ClientSession,
+    leg: str,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    events: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """POST `body` to url+path and return the JSON answer; raises LegError."""
+    """POST `body` to url+path and return the JSON answer; raises LegError. `events`: the call's edge timeline,
+    where `<leg>_sent`, `<leg>_answered` (status and headers in) and `<leg>_read` (answer parsed) are marked."""
+    data, headers = _encoded(leg, body, headers, events)
     try:
-        async with session.post(url + path, json=body, headers=headers) as resp:
+        async with session.post(url + path, data=data, headers=headers) as resp:
+            _mark(events, f"{leg}_answered")
             if resp.status != 200:
                 raise await _fail_from_response(leg, url, resp)
-            payload = await resp.json(content_type=None)
+            payload = await resp.json(content_type=None, loads=parse_json)
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         raise _unreachable(leg, url, e) from e
+    _mark(events, f"{leg}_read")
     if not isinstance(payload, dict):
         raise LegError(leg, url, f"{leg} leg to {url} answered with something other than a JSON object")
     return payload
 
 
 async def open_stream(
-    session: aiohttp.ClientSession, leg: str, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    session: aiohttp.ClientSession,
+    leg: str,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    events: dict[str, float] | None = None,
 ) -> aiohttp.ClientResponse:
-    """POST `body` and return the response once its status is 200 (the caller reads and closes it)."""
+    """POST `body` and return the response once its status is 200 (the caller reads and closes it); `events` as
+    in post_json (`<leg>_read` is the caller's)."""
+    data, headers = _encoded(leg, body, headers, events)
     try:
-        resp = await session.post(url + path, json=body, headers=headers)
+        resp = await session.post(url + path, data=data, headers=headers)
+        _mark(events, f"{leg}_answered")
     except (TimeoutError, aiohttp.ClientError) as e:
         raise _unreachable(leg, url, e) from e
     if resp.status != 200:

@@ -11,6 +11,7 @@ from starlette.background import BackgroundTask
 from pdserve.auth import AuthError
 from pdserve.engine.client import AddRequest
 from pdserve.engine.outputs import RequestOutput
+from pdserve.http_timeline import events_of, mark
 from pdserve.kv.decode import decode
 from pdserve.kv.params import KVParamsError, PullSource, RemoteDecode
 from pdserve.openai_request import SamplingFields
@@ -35,10 +36,12 @@ async def answer(
 ) -> Response:
     """Run one request on the engine and answer it, streaming or not (refused before the engine has it: `edge`
     gives its transfer coordinates back)."""
+    mark(request, "prompt_ready")
     engine = state.engine
     params = sampling_params(body, len(prompt_ids), engine.info.max_model_len, default_max_tokens)
     request_id = state.new_request_id()
     client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+    state.edge.add(request_id, client_id, events_of(request))  # GET /timeline merges them with the engine's
     try:
         kv_params = decode(body.kv_transfer_params)  # parsed once, here; typed from now on
     except KVParamsError as e:
@@ -66,6 +69,7 @@ async def answer(
     edge.engine_has_it = True  # from here its refusal (generate() validates first) or abort is the engine's to report
     handed_over = False  # True once a streaming response owns `run` (it closes it)
     try:
+        mark(request, "admitted")
         first = await run.first()  # bad input surfaces here, before any byte of the answer is sent
         if first is not None and first.finish_reason == "error" and not first.token_ids:
             return _failed(run, first)  # failed before its first token (its KV never came): a status, not a stream
@@ -76,6 +80,7 @@ async def answer(
                 events, media_type="text/event-stream", headers=headers, background=BackgroundTask(run.close)
             )
         out = await run.final()
+        mark(request, "answer_ready")
         if out is not None and out.finish_reason == "abort" and out.released:
             # the router released this prefill (POST /kv_transfer/release: its client or decode leg is gone) and
             # may close this connection at the same moment: a 499 either way, whichever P notices first
@@ -85,7 +90,9 @@ async def answer(
             )
         if out is None or not out.finished or out.finish_reason in ("error", "abort"):
             return _failed(run, out)
-        return JSONResponse(renderer.response(out), headers=headers)
+        response = JSONResponse(renderer.response(out), headers=headers)
+        mark(request, "answer_encoded")
+        return response
     finally:
         if not handed_over:
             await run.close()

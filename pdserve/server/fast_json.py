@@ -17,13 +17,17 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.http_timeline import mark
 from pdserve.web import parse_json
 
 
 class FastJSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = parse_json(await self.body())
+            body = await self.body()
+            mark(self, "body_read")
+            self._json = parse_json(body)
+            mark(self, "body_parsed")
         return self._json
 
 

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from pdserve.auth import AuthError
 from pdserve.engine.client import ReleaseRequest
+from pdserve.http_timeline import mark
 from pdserve.kv.decode import decode
 from pdserve.openai_request import ChatCompletionRequest, CompletionRequest
 from pdserve.server import kv_events, metrics
@@ -98,7 +99,7 @@ async def kv_transfer_release(body: KVReleaseRequest, request: Request) -> Respo
 async def timeline(request: Request) -> Response:
     state = state_of(request)
     state.check_ready()
-    return JSONResponse(state.engine.timelines())
+    return JSONResponse(state.edge.merged(state.engine.timelines()))
 
 
 @routes.get("/kv_events")
@@ -114,6 +115,7 @@ async def kv_cache_events(request: Request) -> Response:
 
 @routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    mark(request, "body_validated")
     state = state_of(request)
     with EdgeRefusal(state, body.kv_transfer_params) as edge:  # refused before the engine has it: P frees it
         state.check_ready()
@@ -127,6 +129,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    mark(request, "body_validated")
     state = state_of(request)
     with EdgeRefusal(state, body.kv_transfer_params) as edge:
         state.check_ready()

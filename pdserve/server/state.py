@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pdserve.config import ConfigError
 from pdserve.engine.client import EngineClient, EngineInfo
+from pdserve.http_timeline import EdgeTimelines
 from pdserve.kv.capability import KVAuth
 from pdserve.server import metrics
 from pdserve.server.protocol import ApiError
@@ -74,6 +75,7 @@ class ServerState:
         # a text prompt longer than this many characters has more than max_model_len tokens (prepare.py); set
         # once the engine started, None: no bound for this tokenizer (or no tokenizer)
         self.max_prompt_chars: int | None = None
+        self.edge = EdgeTimelines("instance")  # each request's HTTP-edge events, merged into GET /timeline
 
     @property
     def model_names(self) -> list[str]:

@@ -133,9 +133,22 @@ def test_one_request_id_on_both_legs(pd: Deployment) -> None:
     resp = post(pd.router.url, "/v1/completions", {"prompt": PROMPTS[2], **GREEDY}, {"X-Request-Id": request_id})
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-request-id"] == request_id
+    instance_events = ["http_received", "body_read", "body_parsed", "body_validated", "prompt_ready", "admitted"]
     for proc in (pd.prefill, pd.decode):
         timeline = httpx.get(proc.url + "/timeline").json()
-        assert any(t["client_request_id"] == request_id for t in timeline), proc.name
+        (entry,) = [t for t in timeline if t["client_request_id"] == request_id]
+        events = entry["events"]  # the HTTP edge's (http_timeline.py) before the engine's, in order
+        times = [events[e] for e in [*instance_events, "arrival", "first_token"]]
+        assert times == sorted(times), (proc.name, events)
+    (p_entry,) = [t for t in httpx.get(pd.prefill.url + "/timeline").json() if t["client_request_id"] == request_id]
+    assert p_entry["events"]["first_token"] <= p_entry["events"]["answer_encoded"]  # P's answer, after its token
+    (routed,) = [t for t in httpx.get(pd.router.url + "/timeline").json() if t["request_id"] == request_id]
+    order = ["http_received", "body_read", "body_parsed", "body_validated", "prefill_sent", "prefill_answered"]
+    order += ["prefill_read", "decode_sent", "decode_answered"]
+    if pd.mode == "push":  # both legs leave at once
+        order = order[:4] + ["decode_answered"]
+    times = [routed["events"][e] for e in order]
+    assert times == sorted(times), routed
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
