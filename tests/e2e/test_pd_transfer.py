@@ -32,6 +32,7 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny llama: layers x (K, V) x kv heads x
 DELAY_S = 1.0  # the test-only fault delays (P_delay's hand-over, D_rc's registration)
 SHORT_S = 2.0  # P_delay's registration timeout and lease; P_pull's and P_other's lease; D_pull's recv timeout
 RECV_TIMEOUT_S = 5.0  # D_push's and D_rc's receive timeout
+NODONE_TIMEOUT_S = 1.0  # D_nodone's receive timeout: its recvs land only by P's answer to the cancel that ends
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 6}
 PROMPT = "The quick brown fox jumps over the lazy dog; " * 2  # 91 tokens with BOS: 5 blocks of 16, 2 of 32
 
@@ -47,6 +48,7 @@ class Cluster:
     p_delay: Proc  # push, finished prefills handed over DELAY_S late; registration timeout and lease SHORT_S
     d_push: Proc  # block 32, recv timeout RECV_TIMEOUT_S, policy fail
     d_rc: Proc  # push, registration sent DELAY_S late, recv timeout RECV_TIMEOUT_S, policy recompute
+    d_nodone: Proc  # push, every PushDone dropped on receipt, recv timeout NODONE_TIMEOUT_S, policy fail
     routers: dict[tuple[str, str, str], Proc]
 
     def router(self, mode: str, p: Proc, d: Proc) -> Proc:
@@ -58,7 +60,8 @@ class Cluster:
 
     @property
     def instances(self) -> list[Proc]:
-        return [self.ref, self.p_pull, self.d_pull, self.p_other, self.p_push, self.p_delay, self.d_push, self.d_rc]
+        return [self.ref, self.p_pull, self.d_pull, self.p_other, self.p_push, self.p_delay, self.d_push, self.d_rc,
+                self.d_nodone]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,7 @@ def cl(launcher: Launcher, tiny_llama: Path, tiny_model_dirs: dict[str, Path]) -
     short, recv = str(SHORT_S), str(RECV_TIMEOUT_S)
     delayed_finish = ["--push-registration-timeout-s", short, "--kv-lease-s", short]
     recompute = ["--kv-load-failure-policy", "recompute"]
+    no_done = Faults(drop_notifs=("PushDone",))  # the notification that carries P's first token never arrives
     cluster = Cluster(
         launcher,
         ref=serve("ref", "--kv-role", "both"),
@@ -81,6 +85,7 @@ def cl(launcher: Launcher, tiny_llama: Path, tiny_model_dirs: dict[str, Path]) -
         p_delay=serve("P_delay", *p, *push, *delayed_finish, faults=Faults(delay_send_ready_s=DELAY_S)),
         d_push=serve("D_push", *d, *push, "--block-size", "32", "--kv-recv-timeout-s", recv),
         d_rc=serve("D_rc", *d, *push, "--kv-recv-timeout-s", recv, *recompute, faults=Faults(delay_register_s=DELAY_S)),
+        d_nodone=serve("D_nodone", *d, *push, "--kv-recv-timeout-s", str(NODONE_TIMEOUT_S), faults=no_done),
         routers={},
     )
     launcher.wait_ready()
@@ -535,6 +540,24 @@ def test_an_answer_without_a_first_token_falls_back_to_computing_the_last_prompt
     events = timeline(cl.d_pull, rid)
     assert events["kv_received"] <= events["scheduled"] < events["first_token"], events  # D's own first step
     assert_all_free(cl.p_pull, cl.d_pull)
+
+
+def test_push_kv_landed_only_by_the_cancel_answer_computes_the_last_prompt_token(cl: Cluster) -> None:
+    """D_nodone drops every PushDone (the notification that carries P's first token): its recv times out, cancels,
+    and P answers PushCancelAck(landed), which carries no token. D then computes its last prompt position from the
+    KV that landed (engine/kv_landed.py) rather than failing the request; the answer is still colocated's, and the
+    second request (after the first's state) as well."""
+    router = cl.router("push", cl.p_push, cl.d_nodone)
+    for i in range(2):
+        prompt = f"[landed by the cancel's answer {i}] " + PROMPT
+        rid = f"nodone-{i}-{uuid.uuid4().hex[:8]}"
+        got = _plain(post(router.url, "/v1/completions", {"prompt": prompt, **GREEDY}, {"X-Request-Id": rid}))
+        assert got == _plain(completion(cl.ref.url, prompt))  # text, token ids, finish reason, usage
+        events = timeline(cl.d_nodone, rid)
+        assert events["kv_received"] <= events["scheduled"] < events["first_token"], events  # D's own first step
+    assert cl.d_nodone.log_text().count("landed without the prefill's first token") == 2
+    assert counter(cl.d_nodone, FAILED) == 0
+    assert_all_free(cl.p_push, cl.d_nodone)
 
 
 def test_everything_free_at_the_end(cl: Cluster) -> None:
