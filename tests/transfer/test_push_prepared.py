@@ -4,7 +4,7 @@ P learns its blocks when the prompt's last chunk is scheduled ("scheduled", Conn
 and D's rank its registration; whichever comes second prepares the WRITE, and the prefill's end only posts it. Each
 case checks the bytes D got and P's count of prepared WRITEs (TransferStats.prepared_writes), which must be back
 to 0 however the transfer ended: posted, abandoned, cancelled, superseded, or laid out again because P's blocks
-changed. One P and one D serve the module; ids are unique per test."""
+changed; and a windowed group, staged and checksummed. Two P/D pairs serve the module; ids are unique per test."""
 
 import time
 
@@ -12,11 +12,21 @@ import numpy as np
 import pytest
 
 from pdserve.testing.transfer_pair import Instance, close_all, events, expected_kv, push_params, start_all
+from pdserve.transfer.faults import Faults
+
+# a windowed, staged, checksummed pair (test_windowed.py's geometry): layers 0-1 full attention, 2-3 a window of 8
+WINDOWS, STALE = (None, None, 8, 8), -1
+WIDE = dict(block_size=4, windows=WINDOWS, faults=Faults(force_staging=True), kv_checksum=True)
 
 
 @pytest.fixture(scope="module")
 def cl():
-    insts = start_all(p=Instance("prefill", "push", block_size=4), d=Instance("decode", "push", block_size=4))
+    insts = start_all(
+        p=Instance("prefill", "push", block_size=4),
+        d=Instance("decode", "push", block_size=4),
+        p_win=Instance("prefill", "push", **WIDE),
+        d_win=Instance("decode", "push", **WIDE),
+    )
     yield insts
     close_all(insts)
 
@@ -141,3 +151,30 @@ def test_registration_after_the_prefill_ended_is_laid_out_then(cl):
     assert np.array_equal(d.kv(), expected_kv(before, p_kv, [10, 11], [8, 9], 0, 7))
     ev = events(p, "p-a6")
     assert "write_prepared" not in ev and "write_segments" in ev and prepared(p) == 0
+
+
+def test_windowed_staged_checksummed_prepared_write(cl):
+    """A windowed group's blocks before the window turn STALE between the scheduled chunk and the prefill's end
+    (the engine frees them after the step): the prepared WRITE still fits (it reads only the window's blocks), is
+    staged through the host mirror at the post and carries the checksum D verifies. 22 prompt tokens, D computes
+    the last one: 21 move, the windowed group's from token 12 (block 3) on."""
+    p, d = cl["p_win"], cl["d_win"]
+    pa, da = push_params(p, "a7")
+    scheduled = [[5, 6, 9, 2, 0, 1], [11, 12, 13, 3, 4, 7]]
+    finished = [[5, 6, 9, 2, 0, 1], [STALE, STALE, STALE, 3, 4, 7]]
+    d_tables = [[3, 4, 11, 12, 13, 14], [STALE, STALE, STALE, 8, 10, 15]]
+    p.call("needs", "p-a7", pa)
+    p.call("scheduled", "p-a7", scheduled[0], 22, pa, scheduled)
+    before, p_kv = d.kv(), p.kv()
+    d.call("needs", "d-a7", da)
+    d.call("alloc", "d-a7", d_tables[0], 0, 22, d_tables)
+    wait_for("write_prepared", lambda: "write_prepared" in events(p, "p-a7"))
+    p.call("finish", "p-a7", finished[0], 22, pa, finished)
+    kind, reason = d.wait_result("d-a7")
+    assert kind == "finished", reason  # (a checksum mismatch fails the recv)
+    p.wait_send("p-a7")
+    want = expected_kv(before, p_kv, d_tables[0], finished[0], 0, 21, staged=True)
+    want = expected_kv(want, p_kv, d_tables[1], finished[1], 12, 9, staged=True)
+    assert np.array_equal(d.kv(), want)
+    assert "write_segments" not in events(p, "p-a7") and prepared(p) == 0
+    assert d.call("stats")["checksum_failures"] == 0
