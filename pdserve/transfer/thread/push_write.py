@@ -80,10 +80,15 @@ def post_write(
                     ctx.stager.stage_out(table, first_tok, end - first_tok)
             if ctx.checksum is not None:  # over what the WRITE reads (the mirror when staged): kv_verify.py
                 done = replace(done, checksum=producer_sums(ctx, send.tables, list(layout.ranges), layout.heads))
+            xfer = None
             if request is not None:
-                x.xfer = ctx.post_prepared(request, encode(done))
-            else:
-                x.xfer = ctx.post("WRITE", layout.local, layout.remote, peer.agent_name, encode(done), peer.info.memory)
+                try:
+                    xfer = ctx.post_prepared(request, encode(done))  # (released if it raises)
+                except AgentError as e:  # NIXL refuses a request made before D's agent was loaded again: once more
+                    log.info("push %s: the prepared WRITE was refused (%s); posting it from its rows", transfer_id, e)
+            if xfer is None:
+                xfer = ctx.post("WRITE", layout.local, layout.remote, peer.agent_name, encode(done), peer.info.memory)
+            x.xfer = xfer
     except (AgentError, RuntimeError) as e:
         if request is not None:
             request.release()  # (not posted: nothing in flight)
