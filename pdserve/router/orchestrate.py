@@ -25,6 +25,7 @@ connections close, and each backend aborts its request and frees its blocks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -35,7 +36,7 @@ from pdserve.kv.capability import KVAuth
 from pdserve.kv.decode import decode_answer
 from pdserve.kv.params import KVParamsError, PullSource, Refusal, RemoteDecode, encode
 from pdserve.router.background import Background
-from pdserve.router.call import Call, prefill_body
+from pdserve.router.call import Call, answered_prompt_ids, prefill_body, relays_prompt_ids
 from pdserve.router.health import HealthMonitor
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_route import Choice, KVRoute, KVWeights, PromptKeys
@@ -46,7 +47,7 @@ from pdserve.router.prompt_len import estimate_prompt_tokens
 from pdserve.router.prompt_tokens import PromptTokens
 from pdserve.router.push import Push
 from pdserve.router.relay import relay_stream
-from pdserve.router.upstream import LegError, open_stream, post_json
+from pdserve.router.upstream import LegError, encode_without_params, open_stream, post_json, with_params
 from pdserve.web import race_disconnect
 
 log = logging.getLogger(__name__)
@@ -170,11 +171,21 @@ class Orchestrator:
             raise LegError("decode", urls, message, status=503, retry_after="1")
         p = self.route.used(self.prefill, self.route.choose(self.prefill, prompt))
         call.prefill_url = p.url
+        with_ids = relays_prompt_ids(call)  # a text completion: D gets P's token ids, encoded once P answered
         with self.prefill.lease(p):
-            body = prefill_body(call.body, encode(RemoteDecode(None, None, None, call.max_tokens)))
-            answer = await race_disconnect(
-                post_json(self.session, "prefill", p.url, call.path, body, call.headers, call.events), call.http
+            body = prefill_body(call.body, encode(RemoteDecode(None, None, None, call.max_tokens)), with_ids)
+            p_leg = asyncio.ensure_future(
+                post_json(self.session, "prefill", p.url, call.path, body, call.headers, call.events)
             )
+            try:
+                d_encoded = None if with_ids else await _encode_beside(p_leg, call.body)
+            except BaseException:  # cancelled (the client went away): P's leg goes with it
+                p_leg.cancel()
+                raise
+            answer = await race_disconnect(p_leg, call.http)
+        if d_encoded is None:
+            ids = answered_prompt_ids(answer)
+            d_encoded = encode_without_params(call.body if ids is None else {**call.body, "prompt": ids})
         raw = answer.get("kv_transfer_params")
         try:
             kv = decode_answer(raw)
@@ -196,7 +207,7 @@ class Orchestrator:
             d_choice = self.route.choose(self.decode, prompt)  # now: load and cache as P answers
         d = self.route.used(self.decode, d_choice)
         call.decode_url = d.url
-        d_body = {**call.body, "kv_transfer_params": None if kv is None else raw}  # verbatim: see the docstring
+        d_body = with_params(d_encoded, None if kv is None else raw)  # verbatim: see the docstring
         try:
             if not call.is_stream:
                 with self.decode.lease(d):
@@ -218,3 +229,10 @@ class Orchestrator:
                 self.background.release_on(p.url, {"request_id": kv.request_id, "kv_transfer_params": raw}, call)
             raise
         return relay_stream(call, resp, d_lease, [], "decode")
+
+
+async def _encode_beside(p_leg: asyncio.Future[Any], body: dict[str, Any]) -> bytes:
+    """D's body without its kv_transfer_params, encoded while P computes rather than after it answered: P's leg
+    runs first, to its first wait (its request written on a pooled connection), then the prompt is encoded again."""
+    await asyncio.sleep(0)
+    return encode_without_params(body)

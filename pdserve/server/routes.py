@@ -121,9 +121,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_ready()
         model = state.resolve_model(body.model)
         engine = state.engine
-        prompt_ids = await run_in_threadpool(  # off the event loop
-            completion_prompt_ids, body, engine.tokenizer, state.max_prompt_chars, engine.info.max_model_len
-        )
+        if isinstance(body.prompt, list):  # token ids: a copy, worth no hop to a worker thread (2-4 ms at 16k)
+            prompt_ids = completion_prompt_ids(body, None)
+        else:
+            prompt_ids = await run_in_threadpool(  # tokenizing: off the event loop
+                completion_prompt_ids, body, engine.tokenizer, state.max_prompt_chars, engine.info.max_model_len
+            )
         return await answer(state, "completion", body, model, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS, request, edge)
 
 
