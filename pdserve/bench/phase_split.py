@@ -38,9 +38,13 @@ RELAY: tuple[Event, ...] = (
     *_instance("D"),
     ("D", "transfer_posted"),
 )
+# push's hand-over: the engine handing the finished prefill to the transfer thread, then that thread posting the
+# WRITE (laid out before the prefill ended when P's "write_prepared" precedes "send_taken", transfer/thread/
+# push_prepare.py; else laid out after "send_taken", between "write_segments" and "write_descriptors")
+HANDOVER: tuple[Event, ...] = (("P", "first_token"), ("P", "send_taken"), ("P", "transfer_posted"))
 SPLITS: dict[str, dict[str, tuple[Event, ...]]] = {  # mode -> phase -> chain
     "pull": {"router->P": ROUTER_TO_P, "relay": RELAY},
-    "push": {"router->P": ROUTER_TO_P},
+    "push": {"router->P": ROUTER_TO_P, "hand-over": HANDOVER},
 }
 
 

@@ -23,6 +23,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pdserve.bench.phase_split import split_medians
 from pdserve.bench.timeline import RequestTimeline, join, normalize_id
 
 Event = tuple[str, str]  # (where: "C", "P" or "D", event name)
@@ -57,30 +58,15 @@ PHASES: dict[str, tuple[Phase, ...]] = {
 }
 
 
-# Parts of one phase, reported beside the phases (they add up to that phase, not to the TTFT). Push's hand-over:
-# the engine handing the finished prefill to the transfer thread, then that thread posting the WRITE (laid out
-# before the prefill ended when P's "write_prepared" precedes "send_taken": thread/push_prepare.py; else laid out
-# after "send_taken", between P's "write_segments" and "write_descriptors")
-SPLITS: dict[str, tuple[Phase, ...]] = {
-    "push": (
-        ("hand-over: token->taken", ("P", "first_token"), ("P", "send_taken")),
-        ("hand-over: taken->posted", ("P", "send_taken"), ("P", "transfer_posted")),
-    ),
-}
-
-
 def _time(event: Event, tl: RequestTimeline, client: Mapping[str, float]) -> float | None:
     where, name = event
     return client.get(name) if where == "C" else tl.event(where, name)
 
 
-def request_phases(
-    mode: str, tl: RequestTimeline, client: Mapping[str, float], phases: Mapping[str, tuple[Phase, ...]] = PHASES
-) -> dict[str, float]:
-    """One request's phases in seconds (those whose two events are both known and in order); phases=SPLITS: the
-    parts of a phase instead."""
+def request_phases(mode: str, tl: RequestTimeline, client: Mapping[str, float]) -> dict[str, float]:
+    """One request's phases in seconds (those whose two events are both known and in order)."""
     out = {}
-    for label, start, end in phases.get(mode, ()):
+    for label, start, end in PHASES[mode]:
         t0, t1 = _time(start, tl, client), _time(end, tl, client)
         if t0 is not None and t1 is not None and t1 >= t0:
             out[label] = t1 - t0
@@ -95,7 +81,7 @@ def phase_medians(
     gap (median and p99, ms), so that time moved out of TTFT stays visible."""
     timelines = {tl.request_id: tl for tl in join(prefill_entries, decode_entries)}
     per_phase: dict[str, list[float]] = {label: [] for label, _, _ in PHASES[mode]}
-    per_split: dict[str, list[float]] = {label: [] for label, _, _ in SPLITS.get(mode, ())}
+    seen: list[tuple[RequestTimeline, dict[str, float]]] = []  # for the phases' splits (phase_split.py)
     num_prepared = 0  # push: requests whose WRITE was laid out before the prefill ended
     rows = zip(result["request_ids"], result["start_times"], result["ttfts"], result["errors"], strict=True)
     for rid, sent, ttft, error in rows:
@@ -105,15 +91,14 @@ def phase_medians(
         client = {"sent": sent, "first_token": sent + ttft}
         for label, seconds in request_phases(mode, tl, client).items():
             per_phase[label].append(seconds)
-        for label, seconds in request_phases(mode, tl, client, SPLITS).items():
-            per_split[label].append(seconds)
+        seen.append((tl, client))
         prepared, taken = tl.event("P", "write_prepared"), tl.event("P", "send_taken")
         num_prepared += prepared is not None and taken is not None and prepared <= taken
     first_gaps = [gaps[0] for gaps, error in zip(result["itls"], result["errors"], strict=True) if gaps and not error]
     return {
         "phase_medians_ms": {k: 1000 * statistics.median(v) if v else None for k, v in per_phase.items()},
         "phase_counts": {k: len(v) for k, v in per_phase.items()},
-        "phase_splits_ms": {k: 1000 * statistics.median(v) if v else None for k, v in per_split.items()},
+        "phase_splits_ms": split_medians(mode, seen),  # phase -> step -> median ms
         "num_write_prepared": num_prepared,
         "median_first_itl_ms": 1000 * statistics.median(first_gaps) if first_gaps else None,
         "p99_first_itl_ms": 1000 * _quantile(first_gaps, 0.99) if first_gaps else None,
@@ -127,19 +112,18 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 def phases_table(
     rows: Sequence[tuple[str, str, Mapping[str, float | None]]],
-    splits: Sequence[Mapping[str, float | None]] = (),
+    splits: Sequence[Mapping[str, Mapping[str, float]]] = (),
 ) -> str:
     """Rows of (point label, mode, phase medians in ms) as text: one line per (point, mode), its phases in order
     and their sum; modes of one point follow one another so colocated's own phases sit beside push and pull.
-    splits[i], when given and not empty: row i's SPLITS medians, on a line of their own under it."""
+    splits[i], when given: row i's phase splits (phase_split.split_medians), a line per phase under it."""
     lines = ["where the time to first token goes (median ms per phase; sum ~ median TTFT)"]
     for i, (point, mode, medians) in enumerate(rows):
         parts = [f"{k} {v:.2f}" for k, v in medians.items() if v is not None]
         total = sum(v for v in medians.values() if v is not None)
         lines.append(f"{point:>22}  {mode:9}  " + " | ".join(parts) + f"  = {total:.2f}")
-        split = [f"{k} {v:.2f}" for k, v in (splits[i] if i < len(splits) else {}).items() if v is not None]
-        if split:
-            lines.append(" " * 35 + " | ".join(split))
+        for phase, steps in (splits[i] if i < len(splits) else {}).items():
+            lines.append(f"{'':>33}{phase}: " + " | ".join(f"to {k} {v:.2f}" for k, v in steps.items()))
     return "\n".join(lines)
 
 
