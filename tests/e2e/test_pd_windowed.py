@@ -47,8 +47,7 @@ def families(launcher: Launcher, tiny_model_dirs: dict[str, Path]) -> dict[str, 
         p = {m: serve(model, f"{fam}-P-{m}", "--kv-role", "prefill", "--kv-transfer", m) for m in modes}
         d = {m: serve(model, f"{fam}-D-{m}", "--kv-role", "decode", "--kv-transfer", m) for m in modes}
         out[fam] = Family(serve(model, f"{fam}-ref", "--kv-role", "both"), p, d, {})
-    launcher.wait_ready()
-    for fam, f in out.items():
+    for fam, f in out.items():  # started with the instances (a router is ready once its instances answer /health)
         f.routers = {m: launcher.proxy(m, [f.p[m]], [f.d[m]], *AUTH, name=f"router-{fam}-{m}") for m in f.p}
     launcher.wait_ready()
     return out
@@ -114,10 +113,9 @@ def test_one_windowed_group_under_tensor_parallelism(
     common = ("--num-gpu-blocks", "64", "--block-size", str(BS), "--kv-transfer", "pull", *AUTH)
     p = fresh_launcher.serve(tiny_model_dirs["mistral_swa"], *common, "--kv-role", "prefill",
                              "--tensor-parallel-size", "2", name="p")  # fmt: skip
+    router = fresh_launcher.proxy("pull", [p], [f.d["pull"]], *AUTH)
     fresh_launcher.wait_ready()
     d = f.d["pull"]
-    router = fresh_launcher.proxy("pull", [p], [d], *AUTH)
-    fresh_launcher.wait_ready()
     prompt = "tensor parallel, " + PROMPTS[1]
     assert completion(router.url, prompt) == completion(f.ref.url, prompt)
     for proc in (p, d):
@@ -159,8 +157,7 @@ def test_windowed_between_different_block_sizes(
     p |= {(m, BS): families["gemma3"].p[m] for m in MODES}
     d = {(m, bs): serve(f"D{bs}-{m}", bs, "--kv-role", "decode", "--kv-transfer", m, *AUTH)
          for m in MODES for bs in (4, 16)}  # fmt: skip
-    fresh_launcher.wait_ready()
-    routers = {
+    routers = {  # started with the instances (a router is ready once its instances answer /health too)
         (m, pb, db): fresh_launcher.proxy(m, [p[m, pb]], [d[m, db]], *AUTH, name=f"router-{m}-{pb}-{db}")
         for m in MODES
         for pb, db in pairs
