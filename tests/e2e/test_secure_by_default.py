@@ -2,8 +2,9 @@
 deployment secret (one deployment for the module: four pairs, each behind its router).
 
 1. A flood of idle TCP connections to P's side channel, more than its limits and held open (each one the server
-   closes is reopened), on every pair's P at once: routed requests stay 10/10 OK and equal to the colocated answer, D never declares P dead,
-   and P's log does not grow by a line per refused connection (pdserve_side_channel_refused_total counts them).
+   closes is reopened), on every pair's P at once: routed requests stay 10/10 OK and equal to the colocated
+   answer, D never declares P dead, and P's log does not grow by a line per refused connection
+   (pdserve_side_channel_refused_total counts them).
 2. Without a secret: `serve` and `proxy` refuse a non-loopback address unless --insecure-no-kv-auth; D dials only
    loopback addresses a client names; D registers no received KV in its prefix cache (the "Berlin for France"
    poisoning has no effect on later requests; with a secret D caches and moves only the suffix); a refused
@@ -71,8 +72,7 @@ def deployment(launcher: Launcher, tiny_llama: Path, tmp_path_factory: pytest.Te
         p = launcher.serve(tiny_llama, *common, "--kv-role", "prefill", "--block-size", "16", name=f"P_{mode}_{a}")
         d = launcher.serve(tiny_llama, *common, "--kv-role", "decode", "--block-size", "32", name=f"D_{mode}_{a}")
         procs[(mode, a)] = (p, d)
-    launcher.wait_ready()
-    pairs = {
+    pairs = {  # started with the instances (a router is ready once its instances answer /health too)
         key: Pair(p, d, launcher.proxy(key[0], [p], [d], *auth[key[1]], name=f"router_{key[0]}_{key[1]}"))
         for key, (p, d) in procs.items()
     }
