@@ -6,9 +6,11 @@ D's registrations and cancels, the keepalives and how a rendezvous ends are push
 SendSide extends). A registration carries an attempt number and only a rank's newest attempt is ever written
 (older ones get PushFail). Whichever arrives second triggers one WRITE (push_write.py) of the heads that D rank
 takes from this P rank (heads.py; none: the part ends silently), carrying a PushDone, which NIXL delivers after
-the data. P's blocks are handed back (finished_sends) when every D rank's part is over (D's TP size comes from
-its handshake), never while a WRITE is in flight; a failed part refuses the other D ranks at once (the request
-cannot run on D) and the blocks go as soon as nothing is in flight.
+the data; when P's blocks are known before its prefill ends (StepMeta.planned), a registration's WRITE is laid out
+then and only posted at the end (push_prepare.py). P's blocks are handed back (finished_sends) when every D
+rank's part is over (D's TP size comes from its handshake), never while a WRITE is in flight; a failed part
+refuses the other D ranks at once (the request cannot run on D) and the blocks go as soon as nothing is in
+flight.
 
 P's scheduler half says at arrival which transfer ids P will produce (StepMeta.expected) and which of those
 ended without a prefill to hand over (StepMeta.abandoned: aborted while queued or running). A registration
