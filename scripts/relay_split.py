@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import tempfile
 import uuid
@@ -30,7 +31,7 @@ import httpx
 from pdserve.bench.client import ClientConfig, send_request
 from pdserve.bench.dataset import SampleRequest
 from pdserve.bench.deploy import Deployment, ServerOptions
-from pdserve.bench.phase_split import split_medians, split_table
+from pdserve.bench.phase_split import SPLITS, label, split_medians, split_table
 from pdserve.bench.timeline import join, load_saved, save
 
 TINY = {  # qwen3's vocabulary (its ids' JSON length), two narrow layers: a 16k prefill takes ~a second on a CPU
@@ -109,6 +110,25 @@ def measure(args: argparse.Namespace, workdir: Path) -> list[tuple]:
     return [(tl, {"sent": sent[tl.request_id]}) for tl in timelines if tl.request_id in sent]
 
 
+def totals(pairs: list[tuple]) -> str:
+    """Each split phase end to end per request (first event of its chain to the last): median (min, max) ms."""
+    lines = []
+    for phase, chain in SPLITS["pull"].items():
+        ends = [chain[0] if chain[0][0] != "C" else chain[1], chain[-1]]
+        values = sorted(
+            1000 * (t1 - t0)
+            for tl, _ in pairs
+            if (t0 := tl.event(*ends[0])) is not None and (t1 := tl.event(*ends[1])) is not None
+        )
+        if values:
+            span = f"{label(ends[0])} -> {label(ends[1])}"
+            median = statistics.median(values)
+            lines.append(
+                f"{phase} per request, {span}: median {median:.2f} ms (min {values[0]:.2f}, max {values[-1]:.2f})"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input-len", type=int, default=16384)
@@ -124,12 +144,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.timeline is not None:
         mode, timelines = load_saved(args.timeline)
-        print(split_table(mode, split_medians(mode, [(tl, {}) for tl in timelines])))
+        pairs = [(tl, {}) for tl in timelines]
+        print(split_table(mode, split_medians(mode, pairs)))
+        print(totals(pairs))
         return
     with tempfile.TemporaryDirectory(prefix="relay-split-") as tmp:
         pairs = measure(args, Path(tmp))
     print(f"{len(pairs)} requests of {args.input_len} token ids, model {args.model}")
     print(split_table("pull", split_medians("pull", pairs)))
+    print(totals(pairs))
 
 
 if __name__ == "__main__":
