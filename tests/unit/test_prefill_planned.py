@@ -7,9 +7,12 @@ from pdserve.config import SchedulerConfig, TransferConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.groups import KVGroups
 from pdserve.kv.params import Mode, RemoteDecode
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.layout import group_ranges
 from pdserve.transfer.scheduler.push import PushScheduler
+from pdserve.transfer.thread.push_prepare import used_blocks
 
 
 def make(budget: int, num_blocks: int = 64) -> tuple[Scheduler, PushScheduler]:
@@ -56,3 +59,24 @@ def test_prefix_hit_leg_plans_its_shared_blocks() -> None:
     meta = push.build_step_meta()
     assert [p.request_id for p in meta.planned] == ["b"] and [x.request_id for x in meta.sends] == ["b"]
     assert meta.planned[0].tables == meta.sends[0].tables
+
+
+def test_windowed_leg_plans_the_blocks_its_write_reads() -> None:
+    """A windowed group frees its blocks before the window after each chunk (STALE in the finished tables), but
+    the blocks a WRITE of the whole prompt reads (group_ranges) are the ones planned: the prepared WRITE fits."""
+    windows = (None, None, 8, 8)
+    push = PushScheduler(TransferConfig(role="prefill", mode="push"), 4, "127.0.0.1", 5600)
+    groups = KVGroups.of(windows, 4)
+    s = Scheduler(SchedulerConfig(8, 8), BlockPool(64, True), 4, 1024, push, groups)
+    s.add(leg("w", 22))
+    planned, sends = [], []
+    for _ in range(4):
+        step(s)
+        meta = push.build_step_meta()
+        planned += meta.planned
+        sends += meta.sends
+    (p,), (x,) = planned, sends
+    assert p.tables != x.tables  # blocks before the window were freed after the last chunk ran
+    group_windows = [g.window for g in groups.groups]
+    ranges = group_ranges(group_windows, 0, 22, 4, 4)
+    assert used_blocks(p.tables, ranges, 4) == used_blocks(x.tables, ranges, 4)
