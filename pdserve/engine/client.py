@@ -113,6 +113,7 @@ class EngineStats:
     num_requests_started: int = 0  # requests that left the waiting queue here, each once (engine/admissions.py)
     num_prompt_tokens: int = 0  # their prompt tokens
     num_prefix_hit_tokens: int = 0  # of those, tokens this instance's own prefix cache served (received KV is not)
+    num_prepared_writes: int = 0  # push P: WRITEs laid out ahead of their prefill's end and not yet posted or freed
     ttft_seconds: list[float] = field(default_factory=list)  # observations drained since the last stats()
     transfer_seconds: list[float] = field(default_factory=list)  # drained since the last stats()
     transfer_descriptors: list[int] = field(default_factory=list)  # per posted READ/WRITE, drained likewise

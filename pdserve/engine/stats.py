@@ -43,5 +43,6 @@ def engine_stats(
         num_requests_started=s.admitted.num_requests,
         num_prompt_tokens=s.admitted.num_prompt_tokens,
         num_prefix_hit_tokens=s.admitted.num_prefix_hit_tokens,
+        num_prepared_writes=t.prepared_writes,
         side_channel_refused=dict(t.side_channel_refused),
     )

@@ -2,7 +2,7 @@
 
 The names are a contract (tests, dashboards and the reliability work read them); do not rename:
 gauges   pdserve_kv_blocks_total, pdserve_kv_blocks_free, pdserve_requests_running,
-         pdserve_requests_waiting, pdserve_requests_waiting_for_kv
+         pdserve_requests_waiting, pdserve_requests_waiting_for_kv, pdserve_kv_prepared_writes
 counters pdserve_kv_sent_bytes_total, pdserve_kv_received_bytes_total, pdserve_kv_transfers_total{result},
          pdserve_requests_started_total, pdserve_prompt_tokens_total, pdserve_prefix_cache_hit_tokens_total,
          pdserve_side_channel_refused_total{reason},
@@ -42,6 +42,11 @@ GAUGES = (  # metric name, EngineStats field, help
     ("pdserve_requests_running", "num_running", "Requests in the running batch"),
     ("pdserve_requests_waiting", "num_waiting", "Requests waiting to be scheduled"),
     ("pdserve_requests_waiting_for_kv", "num_waiting_for_kv", "Requests parked until their remote KV lands"),
+    (
+        "pdserve_kv_prepared_writes",
+        "num_prepared_writes",
+        "Push WRITEs laid out before their prefill ended and not yet posted (0 when idle: more is a leak)",
+    ),
 )
 COUNTERS = (  # metric name without _total, EngineStats field, help
     ("pdserve_kv_sent_bytes", "kv_sent_bytes", "KV bytes this instance sent (pushed or had read by a peer)"),

@@ -253,12 +253,13 @@ class Launcher:
 
 
 def wait_idle(url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """Poll url/metrics until no request runs or waits and every KV block is free; returns the last scrape
-    (the caller asserts on it, so a timeout shows the numbers)."""
+    """Poll url/metrics until no request runs or waits, every KV block is free and no push WRITE is left
+    prepared; returns the last scrape (the caller asserts on it, so a timeout shows the numbers)."""
     deadline = time.monotonic() + timeout_s
     while True:
         m = scrape_metrics(url, headers)
         busy = m["pdserve_requests_running"] + m["pdserve_requests_waiting"] + m["pdserve_requests_waiting_for_kv"]
+        busy += m["pdserve_kv_prepared_writes"]
         if (busy == 0 and m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"]) or time.monotonic() > deadline:
             return m
         time.sleep(0.1)

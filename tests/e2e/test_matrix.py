@@ -206,6 +206,7 @@ def routed(pool: Pool, case: Case, name: str) -> Iterator[tuple[Proc, Proc, Proc
         for inst in (procs["p"], procs["d"]):
             m = wait_idle(inst.url, timeout_s=10)
             assert m["pdserve_kv_blocks_free"] == m["pdserve_kv_blocks_total"], (case.id, inst.name, m)
+            assert m["pdserve_kv_prepared_writes"] == 0, (case.id, inst.name, m)  # push: each laid-out WRITE freed
     finally:
         router.stop()
         pool.done(case)

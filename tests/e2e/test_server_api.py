@@ -23,6 +23,7 @@ METRIC_NAMES = [
     "pdserve_requests_running",
     "pdserve_requests_waiting",
     "pdserve_requests_waiting_for_kv",
+    "pdserve_kv_prepared_writes",
     "pdserve_kv_sent_bytes_total",
     "pdserve_kv_received_bytes_total",
     'pdserve_kv_transfers_total{result="ok"}',

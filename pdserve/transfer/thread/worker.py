@@ -171,8 +171,11 @@ class NixlWorker(ConnectorWorker):
             else:  # push: the transfer thread copies just before its WRITE, after this point of the stream
                 stager.mark_ready()
 
-        # push: the engine thread hands the GIL to the transfer thread before its own work after the step
-        taken = threading.Event() if meta.sends and self.cfg.mode == "push" else None
+        # push: rank 0's engine thread hands the GIL to the transfer thread before its own work after the step (the
+        # outputs, the stats). A rank above 0 has no such work: it would only delay its next forward pass, and rank 0
+        # waits for that pass in the collectives.
+        rank = self.ctx.spec.tp_rank if self.ctx is not None else 0
+        taken = threading.Event() if meta.sends and self.cfg.mode == "push" and rank == 0 else None
 
         def on_step() -> None:  # "send_taken": when this thread got a finished prefill (the hand-over's first part)
             if taken is not None:
