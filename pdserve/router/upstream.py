@@ -71,7 +71,8 @@ def with_params(encoded: bytes, kv_transfer_params: Any) -> bytes:
     params = encode_json(kv_transfer_params).encode()
     if encoded.rstrip() == b"{}":
         return b'{"kv_transfer_params":' + params + b"}"
-    assert encoded.endswith(b"}"), "not a JSON object"
+    if not encoded.endswith(b"}"):  # a check that stays under python -O: the splice needs an object's last brace
+        raise ValueError("with_params() needs an encode_without_params() body (a JSON object)")
     return encoded[:-1] + b',"kv_transfer_params":' + params + b"}"
 
 
