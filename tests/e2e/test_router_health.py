@@ -54,6 +54,20 @@ def router_will_say(router: Proc, what: str) -> Callable[[], None]:
     return wait
 
 
+def wait_router_marks_healthy(router: Proc, procs: list[Proc]) -> None:
+    """Wait until the router's health monitor marks every one of `procs` healthy: one started after the router
+    was marked unhealthy at its first check and is marked healthy again only at a later one, maybe after
+    wait_ready() returned. Until then a kill changes no mark, and router_will_say("... is unhealthy") would wait
+    for a message that never comes."""
+    for proc in procs:
+
+        def healthy(url: str = proc.url) -> bool:
+            text = router.log_text()
+            return text.count(f"{url} is healthy again") >= text.count(f"{url} is unhealthy")
+
+        assert wait_for(healthy), f"the router never marked {proc.name} healthy"
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_dead_decode_is_routed_around_and_taken_back(fresh_launcher: Launcher, tiny_llama: Path, mode: str) -> None:
     flags = ("--kv-transfer", mode)
@@ -64,6 +78,7 @@ def test_dead_decode_is_routed_around_and_taken_back(fresh_launcher: Launcher, t
         mode, [p], [d1, d2], "--health-interval-s", INTERVAL, ready_statuses=(200, 503), name="router"
     )
     fresh_launcher.wait_ready()
+    wait_router_marks_healthy(router, [p, d1, d2])
     expected = post(router.url, "/v1/completions", BODY).json()["choices"][0]["text"]
     unhealthy = router_will_say(router, f"decode instance {d2.url} is unhealthy")
     kill(d2)
@@ -89,6 +104,7 @@ def test_pull_without_healthy_decode_is_refused_before_prefill(fresh_launcher: L
     d = fresh_launcher.serve(tiny_llama, "--kv-role", "decode", "--kv-transfer", "pull", name="d")
     router = fresh_launcher.proxy("pull", [p], [d], "--health-interval-s", INTERVAL, ready_statuses=(200, 503))
     fresh_launcher.wait_ready()
+    wait_router_marks_healthy(router, [p, d])
     unhealthy = router_will_say(router, f"decode instance {d.url} is unhealthy")
     kill(d)
     unhealthy()
@@ -121,6 +137,7 @@ def test_restarted_prefill_costs_the_next_request_nothing(fresh_launcher: Launch
     d = fresh_launcher.serve(tiny_llama, "--kv-role", "decode", "--kv-transfer", "push", name="d")
     router = fresh_launcher.proxy("push", [p], [d], "--health-interval-s", INTERVAL, ready_statuses=(200, 503))
     fresh_launcher.wait_ready()
+    wait_router_marks_healthy(router, [p, d])
     expected = post(router.url, "/v1/completions", BODY).json()["choices"][0]["text"]
     restarted = router_will_say(router, f"prefill instance {p.url} restarted (epoch")
     kill(p)
