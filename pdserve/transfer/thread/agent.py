@@ -114,27 +114,10 @@ class NixlAgent:
         the notification, if any, reaches the peer after the data. remote_memory: the peer's "DRAM" | "VRAM"
         (default: ours; they differ when one side stages through host memory). Raises AgentError; then nothing
         is in flight."""
-        num_bytes = int(local[:, 1].sum()) if len(local) else 0
         started = time.perf_counter()
-        try:
-            handle = self._agent.initialize_xfer(
-                op,
-                self._agent.get_xfer_descs(local, self.memory),
-                self._agent.get_xfer_descs(remote, remote_memory or self.memory),
-                peer,
-                notif,
-            )
-        except Exception as e:
-            raise _wrap(f"initialize_xfer {op} to {peer}", e) from None
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as e:
-            self._release(handle)
-            raise _wrap(f"post {op} to {peer}", e) from None
-        if state == "ERR":
-            self._release(handle)
-            raise AgentError(f"post {op} to {peer}: NIXL returned ERR")
-        return Xfer(handle, peer, num_bytes, XferState(state), len(local), time.perf_counter() - started)
+        xfer = self.post_prepared(self.prepare(op, local, remote, peer, remote_memory), notif)
+        xfer.post_seconds = time.perf_counter() - started  # NIXL's whole acceptance: the request built, then posted
+        return xfer
 
     def prepare(self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, remote_memory: str = "") -> Prepared:
         """Build NIXL's transfer request for post_prepared() later (descriptors checked and resolved now, off the
