@@ -126,6 +126,15 @@ def counter(proc: Proc, name: str) -> float:
     return scrape_metrics(proc.url)[name]
 
 
+def counter_reaching(proc: Proc, name: str, want: float, timeout_s: float = 10.0) -> float:
+    """The counter once it reads `want`, or its last value after timeout_s: the engine publishes its stats after
+    the step that failed a request, which may come after that request's error answer reached the client."""
+    deadline = time.monotonic() + timeout_s
+    while (got := counter(proc, name)) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
 EXPIRED = 'pdserve_kv_transfers_total{result="expired"}'
 FAILED = 'pdserve_kv_transfers_total{result="failed"}'
 
@@ -205,7 +214,7 @@ def test_lease_expiry_frees_unconsumed_prefill(cl: Cluster, mode: str) -> None:
     started = time.monotonic()
     assert_all_free(p)
     assert time.monotonic() - started > 0.5 * SHORT_S  # freed by the lease, not at once
-    assert counter(p, EXPIRED) == expired + 1
+    assert counter_reaching(p, EXPIRED, expired + 1) == expired + 1
 
 
 def _lonely_decode(d: Proc, p: Proc, prompt: str) -> tuple[httpx.Response, float]:
@@ -229,7 +238,7 @@ def test_push_recv_timeout_fails_and_frees(cl: Cluster) -> None:
     assert resp.status_code == 500
     assert f"did not arrive within {RECV_TIMEOUT_S:g} s" in error_message(resp)
     assert took >= RECV_TIMEOUT_S
-    assert counter(cl.d_push, FAILED) == failed + 1
+    assert counter_reaching(cl.d_push, FAILED, failed + 1) == failed + 1
     assert_all_free(cl.d_push, cl.p_push)
 
 
@@ -254,7 +263,7 @@ def test_recompute_policy_gives_the_right_text(cl: Cluster, cause: str) -> None:
     resp, took = _lonely_decode(cl.d_rc, p, prompt)
     assert answer(resp) == answer(completion(cl.ref.url, prompt))
     assert took >= (SHORT_S if cause == "registration-timeout" else RECV_TIMEOUT_S)
-    assert counter(cl.d_rc, FAILED) == failed + 1
+    assert counter_reaching(cl.d_rc, FAILED, failed + 1) == failed + 1
     assert_all_free(cl.d_rc, p)
 
 
