@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="least-loaded",
         help="instance choice per leg (--policy is its older name): least-loaded (fewest outstanding legs through "
         "this router), round-robin, or kv-aware: the least kv-load-weight x outstanding legs - kv-hit-weight x the "
-        "fraction of the prompt the instance caches (the router follows every instance's GET /kv_events; a "
+        "prompt tokens the instance caches / 1,024 (the router follows every instance's GET /kv_events; a "
         "prompt it cannot hash, or an instance whose events it lost, counts load only); pull and push choose P by "
         "its cache and load, D by its cache and load (a D caches KV it received only with the deployment secret, "
         "--kv-auth-secret-file) (default least-loaded)",
@@ -77,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         metavar="W",
         default=DEFAULT_HIT_WEIGHT,
-        help=f"kv-aware: how many outstanding legs a fully cached prompt is worth (default {DEFAULT_HIT_WEIGHT:g})",
+        help="kv-aware: how many outstanding legs 1,024 cached prompt tokens are worth (the hit counts what a miss "
+        f"would cost to prefill) (default {DEFAULT_HIT_WEIGHT:g})",
     )
     p.add_argument(
         "--kv-load-weight",

@@ -19,7 +19,7 @@ class RouterConfig:
     instance_urls: tuple[str, ...] = ()  # base URLs of `--kv-role both` instances (colocated)
     colocate_below: int | None = None  # pull/push: uncached suffixes at D below this many tokens go to D alone
     policy: str = "least-loaded"  # --routing: or "round-robin", or "kv-aware" (router/kv_route.py)
-    kv_hit_weight: float = DEFAULT_HIT_WEIGHT  # kv-aware: outstanding legs a fully cached prompt is worth
+    kv_hit_weight: float = DEFAULT_HIT_WEIGHT  # kv-aware: outstanding legs 1,024 cached tokens are worth
     kv_load_weight: float = DEFAULT_LOAD_WEIGHT  # kv-aware: cost per outstanding leg
     kv_index_max_keys: int = DEFAULT_MAX_KEYS  # kv-aware: block keys kept per instance (router/kv_index.py)
     tokenizer: str | None = None  # kv-aware: a tokenizer folder for text prompts; None: the instances' model

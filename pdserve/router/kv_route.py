@@ -1,12 +1,16 @@
 """KV-aware instance choice: each candidate's cost weighs the prompt's cached prefix there against its load.
 
-    cost(instance) = kv_load_weight * outstanding legs - kv_hit_weight * cached tokens / prompt tokens
+    cost(instance) = kv_load_weight * outstanding legs - kv_hit_weight * cached tokens / 1,024
 
 `cached tokens` are the instance's leading prompt blocks its prefix index holds (router/kv_index.py, stopping
 at the first miss) times its block size, counting at most (prompt tokens - 1) // block size whole blocks: the
 engine always computes the last prompt token and reuses whole blocks only (prefix_cache.take_hits). So
-kv_hit_weight is what a fully cached prompt is worth in outstanding legs: with the defaults (hit 2, load 1) an
-instance holding the whole prompt wins unless it has two more legs in flight than one holding none.
+kv_hit_weight is what 1,024 cached tokens are worth in outstanding legs: the hit is counted in tokens, what a
+miss there would cost to prefill, not as a fraction of the prompt. With the defaults (hit 1, load 1) an instance
+holding a 12k-token history keeps its conversation until it has 12 more legs in flight than one holding none,
+while a 1k-token shared prefix is worth one leg. (A fraction, the first form, valued a 13k-token history at two
+legs at most: on one H200 that sent 12% of later turns away from the instance holding their history, each then
+prefilling ~10k tokens elsewhere at ~3x the TTFT: docs/benchmarks.md, "Long histories".)
 Ties rotate (policy.Pool.choose). A prompt the router cannot hash (text without a tokenizer, a batch) is
 routed by load alone, and so is one holding a token id beyond int64 (router/prompt_tokens.py: the instance
 answers its 400). A wrong guess costs a prefix miss (a longer prefill), never a wrong answer: the instance
@@ -28,8 +32,9 @@ from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import Backend, Pool
 
-DEFAULT_HIT_WEIGHT = 2.0  # outstanding legs a fully cached prompt is worth (docs/benchmarks.md: how chosen)
+DEFAULT_HIT_WEIGHT = 1.0  # outstanding legs HIT_UNIT_TOKENS cached tokens are worth (docs/benchmarks.md)
 DEFAULT_LOAD_WEIGHT = 1.0  # per outstanding leg
+HIT_UNIT_TOKENS = 1024  # the hit term's unit: kv_hit_weight is per this many cached prompt tokens
 INLINE_HASH_TOKENS = 2048  # longer prompts are hashed in a worker thread (16k tokens: ~15 ms on a loaded 2-core host)
 
 
@@ -37,7 +42,7 @@ INLINE_HASH_TOKENS = 2048  # longer prompts are hashed in a worker thread (16k t
 class KVWeights:
     """The cost's weights (module docstring)."""
 
-    hit_weight: float = DEFAULT_HIT_WEIGHT  # per fully cached prompt (the cached fraction's weight)
+    hit_weight: float = DEFAULT_HIT_WEIGHT  # per HIT_UNIT_TOKENS cached prompt tokens
     load_weight: float = DEFAULT_LOAD_WEIGHT  # per outstanding leg through this router
 
     def __post_init__(self) -> None:
@@ -116,7 +121,7 @@ class KVRoute:
 
         def cost(b: Backend) -> float:
             hits[b.url] = self.hit(b.url, prompt)
-            return w.load_weight * b.num_outstanding - w.hit_weight * hits[b.url][1] / prompt.num_tokens
+            return w.load_weight * b.num_outstanding - w.hit_weight * hits[b.url][1] / HIT_UNIT_TOKENS
 
         backend = pool.choose(cost)
         blocks, tokens = hits[backend.url]

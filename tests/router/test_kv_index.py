@@ -123,7 +123,7 @@ def test_malformed_answers_are_refused_by_the_decoder() -> None:
         decode_answer(good, 0)  # one event cannot span seq 0..3
 
 
-def route(*urls: str, hit_weight: float = 2.0) -> tuple[Pool, KVIndex, KVRoute, RouterMetrics]:
+def route(*urls: str, hit_weight: float = 1.0) -> tuple[Pool, KVIndex, KVRoute, RouterMetrics]:
     pool = Pool("decode", list(urls), "kv-aware")
     index = KVIndex(list(urls))
     metrics = RouterMetrics()
@@ -131,7 +131,7 @@ def route(*urls: str, hit_weight: float = 2.0) -> tuple[Pool, KVIndex, KVRoute, 
 
 
 def test_kv_aware_prefers_the_cache_until_the_load_outweighs_it() -> None:
-    pool, index, kv, metrics = route("http://a", "http://b")
+    pool, index, kv, metrics = route("http://a", "http://b", hit_weight=128.0)  # 12 cached tokens: 1.5 legs
     a, b = pool.backends
     index.apply("http://a", snapshot([]))
     index.apply("http://b", snapshot(KEYS))
@@ -141,10 +141,25 @@ def test_kv_aware_prefers_the_cache_until_the_load_outweighs_it() -> None:
     assert metrics.kv_choices["decode"] == 0  # counted when a leg is sent there
     assert kv.used(pool, choice) is b
     assert metrics.kv_choices["decode"] == 1 and metrics.kv_hit_blocks["decode"] == 3
-    with pool.lease(b):  # cost b = 1 - 2 * 12/13 < 0 = cost a: still b
+    with pool.lease(b):  # cost b = 1 - 128 * 12/1024 < 0 = cost a: still b
         assert kv.choose(pool, prompt).backend is b
-        with pool.lease(b):  # 2 - 1.85 > 0: a
+        with pool.lease(b):  # 2 - 1.5 > 0: a
             assert kv.choose(pool, prompt).backend is a
+
+
+def test_the_hit_counts_cached_tokens_not_the_cached_fraction() -> None:
+    pool, index, kv, _ = route("http://a", "http://b")  # the default hit weight: 1 leg per 1,024 tokens
+    a, b = pool.backends
+    history = PromptKeys(list(range(1, 4098)))  # 4,097 tokens: 1,024 blocks of 4 cached at b
+    index.apply("http://a", snapshot([]))
+    index.apply("http://b", snapshot(history.hashes(BS)))
+    with pool.lease(b), pool.lease(b), pool.lease(b):  # 3 - 4 < 0 (as a fraction: 3 - 1 > 0, a would win)
+        assert kv.choose(pool, history).backend is b
+        with pool.lease(b), pool.lease(b):  # 5 - 4 > 0: a
+            assert kv.choose(pool, history).backend is a
+    short = PromptKeys(list(range(1, 14)))  # 12 of 13 tokens cached at b: worth ~0.01 leg, not 0.92
+    with pool.lease(b):
+        assert kv.choose(pool, short).backend is a
     exact = PromptKeys(PROMPT[:12])  # exactly 3 blocks: the last token is always computed, and the engine
     choice = kv.choose(pool, exact)  # reuses whole blocks only (prefix_cache.take_hits): 2 blocks, 8 tokens
     assert (choice.hit_blocks, choice.hit_tokens) == (2, 8)
