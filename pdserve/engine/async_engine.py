@@ -37,6 +37,7 @@ from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.params import PullSource, PushSource
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.prompt_pack import to_list
 from pdserve.transfer.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class AsyncEngine:
         if not self.is_ready or self._engine is None:
             raise RuntimeError(self._error or "engine is not ready")
         try:
-            self._engine.validate(list(command.prompt_token_ids), command.params, command.kv_transfer_params)
+            self._engine.validate(command.prompt_token_ids, command.params, command.kv_transfer_params)
         except ValueError:
             self._refused(command)
             raise
@@ -228,10 +229,11 @@ class AsyncEngine:
             try:
                 engine.add_request(
                     command.request_id,
-                    list(command.prompt_token_ids),
+                    to_list(command.prompt_token_ids),
                     command.params,
                     command.kv_transfer_params,
                     command.client_request_id,
+                    validated=True,  # by generate(), on the event loop, against the same fixed limits
                 )
             except ValueError as e:
                 self._send(command.request_id, e)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.params import KVTransferParams, PullSource, PushSource
+from pdserve.prompt_pack import TokenArray
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ class AddRequest:
     """Event loop -> engine thread: start a request."""
 
     request_id: str  # the server's own id, unique among requests in flight on this instance
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...] | TokenArray  # the router's packed ids stay their read-only array
     params: SamplingParams
     kv_transfer_params: KVTransferParams | None = None  # parsed from the request body (P/D legs only)
     client_request_id: str | None = None  # the client's X-Request-Id: logs, echo and /timeline only

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.config import EngineConfig
@@ -32,6 +32,7 @@ from pdserve.engine.tp.group import TPGroup, TPGroupError
 from pdserve.engine.tp.rank_zero import start_rank_zero
 from pdserve.engine.tp.transfer import TPWorker
 from pdserve.kv.params import KVTransferParams, PullSource, PushSource, RemoteDecode
+from pdserve.prompt_pack import TokenArray
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.factory import make_connectors
 from pdserve.transfer.faults import NO_FAULTS, Faults
@@ -89,7 +90,9 @@ class LLMEngine:
         self._released = ReleasedPins()  # P: pins given up by abort()/release() (a repeat answers found)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, kv: KVTransferParams | None = None) -> None:
+    def validate(
+        self, prompt_token_ids: Sequence[int] | TokenArray, params: SamplingParams, kv: KVTransferParams | None = None
+    ) -> None:
         """Raise ValueError with a user-facing message for input the engine cannot serve (limits.py; any thread)."""
         self.limits.check(prompt_token_ids, kv)
 
@@ -100,9 +103,13 @@ class LLMEngine:
         params: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
         client_request_id: str | None = None,
+        validated: bool = False,
     ) -> None:
-        """Raises ValueError (KVParamsError for params the connector cannot serve) before anything is queued."""
-        self.validate(prompt_token_ids, params, kv_transfer_params)
+        """Raises ValueError (KVParamsError for params the connector cannot serve) before anything is queued.
+        `validated`: the caller checked these ids with validate() (the limits are fixed; AsyncEngine does it on
+        the event loop), so the vocabulary is not checked twice on the first token's path."""
+        if not validated:
+            self.validate(prompt_token_ids, params, kv_transfer_params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, kv_transfer_params)

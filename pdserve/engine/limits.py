@@ -1,7 +1,8 @@
 """The fixed limits a request is checked against before it is queued (any thread: nothing here changes).
 
-The server's event loop checks a request here before handing it to the engine thread (async_engine.py), and
-the engine checks it again as it adds it; each refusal is a ValueError whose message a client can act on (400).
+The server's event loop checks a request here before handing it to the engine thread (async_engine.py), which
+adds it without checking again (the limits are fixed); LLMEngine.add_request checks its other callers' requests.
+Each refusal is a ValueError whose message a client can act on (400).
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.kv.params import KVTransferParams, PullSource
+from pdserve.prompt_pack import TokenArray, to_list
 
 
-def _all_below(token_ids: Sequence[int], bound: int) -> bool:
+def _all_below(token_ids: Sequence[int] | TokenArray, bound: int) -> bool:
     """Whether every id is an integer in [0, bound): packed as uint64 (refuses a negative id, one of 2**64 or more,
-    anything not an int) and compared at once, ~0.2 ms for 16k ids where a Python loop took ~0.7 ms, twice on
-    the first token's path of every request (the event loop, then the engine thread)."""
+    anything not an int) and compared at once, ~0.2 ms for 16k ids where a Python loop took ~0.7 ms, once on the
+    first token's path (the event loop; AsyncEngine's engine thread does not check again). The router's packed ids
+    are an int64 array already (prompt_pack.py): its min and max, a few microseconds."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.size == 0 or (int(token_ids.min()) >= 0 and int(token_ids.max()) < bound)
     try:
         packed = array.array("Q", token_ids)
     except (OverflowError, TypeError):
@@ -35,7 +40,7 @@ class RequestLimits:
     block_size: int  # tokens per KV block
     num_blocks: int  # KV blocks in the cache: a prompt needing more can never be scheduled
 
-    def check(self, prompt_token_ids: list[int], kv: KVTransferParams | None = None) -> None:
+    def check(self, prompt_token_ids: Sequence[int] | TokenArray, kv: KVTransferParams | None = None) -> None:
         """Raise ValueError with a user-facing message for input the engine cannot serve."""
         if isinstance(kv, PullSource) and kv.first_token_id is not None and kv.first_token_id >= self.vocab_size:
             raise ValueError(f"kv_transfer_params.first_token_id is outside the vocabulary [0, {self.vocab_size})")
@@ -45,7 +50,7 @@ class RequestLimits:
         if n > self.max_model_len:
             raise ValueError(f"prompt has {n} tokens, longer than max_model_len {self.max_model_len}")
         if not _all_below(prompt_token_ids, self.vocab_size):
-            bad = next(t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+            bad = next(t for t in to_list(prompt_token_ids) if not (isinstance(t, int) and 0 <= t < self.vocab_size))
             if not isinstance(bad, int):
                 raise ValueError(f"token id {bad!r} is not an integer")
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")

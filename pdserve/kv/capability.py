@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pdserve.auth import INSECURE_FLAG, AuthError, ReplayGuard, Signer, is_loopback, prompt_digest
+from pdserve.auth import INSECURE_FLAG, AuthError, ReplayGuard, Signer, TokenIds, is_loopback, prompt_digest
 from pdserve.kv.params import Capability, KVTransferParams, PullSource, PushSource, RemoteDecode
 
 PULL = "pull"
@@ -85,7 +85,7 @@ class KVAuth:
         )
 
     # ---- check --------------------------------------------------------------------------------------------------
-    def check(self, params: KVTransferParams | None, prompt_ids: Sequence[int], local: Mapping[str, Any]) -> None:
+    def check(self, params: KVTransferParams | None, prompt_ids: TokenIds, local: Mapping[str, Any]) -> None:
         """Raise AuthError naming the problem when params carry coordinates that were not issued to this request:
         unsigned, forged or altered, expired, already used, or (pull) for other tokens than this prompt's.
         `local` is this instance's /kv_transfer/info (a push P checks that the capability names it)."""
@@ -200,7 +200,7 @@ class KVAuth:
             raise AuthError(f"kv_capability expired {self._clock() - cap.expires_at:.0f} s ago")
 
 
-def _digest(token_ids: Sequence[int]) -> str | None:
+def _digest(token_ids: TokenIds) -> str | None:
     """The prompt digest of a client's token ids; None when they cannot be digested (an id outside int64: no
     capability names such tokens)."""
     try:

@@ -11,8 +11,10 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pdserve import prompt_pack
 from pdserve.http_timeline import events_of
 from pdserve.openai_request import CompletionRequest, SamplingFields
+from pdserve.router.policy import Backend
 from pdserve.web import REQUEST_ID_HEADER
 
 
@@ -31,9 +33,20 @@ class Call:
     is_whole: bool = False  # sent to one instance without a prefill leg (colocated, or a short prompt)
     parsed: SamplingFields | None = None  # the body as openai_request.parse_request validated it
     headers: dict[str, str] = field(init=False)
+    _packed: str | None = field(init=False, default=None)  # the prompt's ids packed, once a leg needed them
+    _packed_done: bool = field(init=False, default=False)  # _packed was computed (it may be None)
 
     def __post_init__(self) -> None:
         self.headers = {REQUEST_ID_HEADER: self.request_id}
+
+    def packed_prompt(self) -> str | None:
+        """The client's token-id prompt packed (prompt_pack.FIELD's value), computed once for all legs; None for
+        text, a chat, or an id that cannot be packed (the leg then carries the JSON list)."""
+        if not self._packed_done:
+            prompt = self.parsed.prompt if isinstance(self.parsed, CompletionRequest) else None
+            self._packed = prompt_pack.pack(prompt) if isinstance(prompt, list) else None
+            self._packed_done = True
+        return self._packed
 
     @property
     def events(self) -> dict[str, float]:
@@ -46,6 +59,27 @@ def relays_prompt_ids(call: Call) -> bool:
     prompt (D then tokenizes nothing; the capability's prompt digest binds the ids to P's KV). A chat's template
     renders on D as before."""
     return isinstance(call.parsed, CompletionRequest) and isinstance(call.parsed.prompt, str)
+
+
+def reads_packed(backend: Backend) -> bool:
+    """Whether `backend` said (GET /health) that it reads the packed prompt this router writes."""
+    return backend.packed_ids == prompt_pack.VERSION
+
+
+def leg_body(call: Call, body: dict[str, Any], packed: bool, ids: list[int] | None = None) -> dict[str, Any]:
+    """`body` for one leg: with `prompt` as `ids` (P's token ids of a text prompt) when given, packed
+    (prompt_pack.py) when `packed` (the instance reads it: reads_packed) and the ids can be, else as JSON."""
+    if ids is not None:
+        value = prompt_pack.pack(ids) if packed else None
+        if value is None:
+            return {**body, "prompt": ids}
+    else:
+        value = call.packed_prompt() if packed else None
+        if value is None:
+            return body
+    out = {k: v for k, v in body.items() if k != "prompt"}
+    out[prompt_pack.FIELD] = value
+    return out
 
 
 def answered_prompt_ids(answer: dict[str, Any]) -> list[int] | None:

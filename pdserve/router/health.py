@@ -4,7 +4,8 @@ An instance that does not answer 200 within the timeout is marked unhealthy: `Po
 until a later check answers 200 again (then it takes traffic at once). A pull router refuses a request with
 503 before running its prefill leg when no decode instance is healthy. An instance whose /health reports a new
 process epoch has restarted: `on_restart(url)` drops what the router cached about it (P's /kv_transfer/info),
-so the next request uses the new process's coordinates instead of failing once on the old ones.
+so the next request uses the new process's coordinates instead of failing once on the old ones. An instance
+whose /health names the packed-prompt version it reads (prompt_pack.HEALTH_KEY) gets token ids packed from then on.
 
 Owner: the router app's lifespan starts the task and cancels it at shutdown (`start()` / `stop()`).
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from pdserve import prompt_pack
 from pdserve.router.policy import Backend, Pool
 from pdserve.router.upstream import LegError, get_json
 
@@ -71,6 +73,8 @@ class HealthMonitor:
             log.info("%s instance %s is healthy again", pool.role, backend.url)
         backend.healthy = True
         epoch = answer.get("epoch") if isinstance(answer, dict) else None
+        packed = answer.get(prompt_pack.HEALTH_KEY) if isinstance(answer, dict) else None
+        backend.packed_ids = packed if type(packed) is int else None  # a vLLM instance: JSON lists
         if isinstance(epoch, str):
             if backend.epoch is not None and epoch != backend.epoch:
                 log.info("%s instance %s restarted (epoch %s -> %s)", pool.role, backend.url, backend.epoch, epoch)

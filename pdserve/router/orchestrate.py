@@ -36,7 +36,7 @@ from pdserve.kv.capability import KVAuth
 from pdserve.kv.decode import decode_answer
 from pdserve.kv.params import KVParamsError, PullSource, Refusal, RemoteDecode, encode
 from pdserve.router.background import Background
-from pdserve.router.call import Call, answered_prompt_ids, prefill_body, relays_prompt_ids
+from pdserve.router.call import Call, answered_prompt_ids, leg_body, prefill_body, reads_packed, relays_prompt_ids
 from pdserve.router.health import HealthMonitor
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_route import Choice, KVRoute, KVWeights, PromptKeys
@@ -140,7 +140,7 @@ class Orchestrator:
         self.route.metrics.requests["whole"] += 1
         d = self.route.used(self.decode, choice)
         call.decode_url = d.url
-        body = {k: v for k, v in call.body.items() if k != "kv_transfer_params"}
+        body = leg_body(call, {k: v for k, v in call.body.items() if k != "kv_transfer_params"}, reads_packed(d))
         if not call.is_stream:
             with self.decode.lease(d):
                 answer = await race_disconnect(
@@ -172,20 +172,21 @@ class Orchestrator:
         p = self.route.used(self.prefill, self.route.choose(self.prefill, prompt))
         call.prefill_url = p.url
         with_ids = relays_prompt_ids(call)  # a text completion: D gets P's token ids, encoded once P answered
+        # token ids go packed to the instances that read it (call.leg_body); D's body is encoded before D is chosen
+        # in the form every decode instance reads (encoded again below in the rare mixed pool)
+        d_packed = all(reads_packed(b) for b in self.decode.backends)
         with self.prefill.lease(p):
-            body = prefill_body(call.body, encode(RemoteDecode(None, None, None, call.max_tokens)), with_ids)
+            p_body = leg_body(call, call.body, reads_packed(p))
+            body = prefill_body(p_body, encode(RemoteDecode(None, None, None, call.max_tokens)), with_ids)
             p_leg = asyncio.ensure_future(
                 post_json(self.session, "prefill", p.url, call.path, body, call.headers, call.events)
             )
             try:
-                d_encoded = None if with_ids else await _encode_beside(p_leg, call.body)
+                d_encoded = None if with_ids else await _encode_beside(p_leg, leg_body(call, call.body, d_packed))
             except BaseException:  # cancelled (the client went away): P's leg goes with it
                 p_leg.cancel()
                 raise
             answer = await race_disconnect(p_leg, call.http)
-        if d_encoded is None:
-            ids = answered_prompt_ids(answer)
-            d_encoded = encode_without_params(call.body if ids is None else {**call.body, "prompt": ids})
         raw = answer.get("kv_transfer_params")
         try:
             kv = decode_answer(raw)
@@ -207,6 +208,11 @@ class Orchestrator:
             d_choice = self.route.choose(self.decode, prompt)  # now: load and cache as P answers
         d = self.route.used(self.decode, d_choice)
         call.decode_url = d.url
+        if d_encoded is None:  # P's token ids of a text prompt
+            ids = answered_prompt_ids(answer)
+            d_encoded = encode_without_params(leg_body(call, call.body, reads_packed(d), ids))
+        elif reads_packed(d) != d_packed:
+            d_encoded = encode_without_params(leg_body(call, call.body, reads_packed(d)))
         d_body = with_params(d_encoded, None if kv is None else raw)  # verbatim: see the docstring
         try:
             if not call.is_stream:

@@ -21,6 +21,7 @@ class Backend:
     num_outstanding: int = 0  # legs sent to it and not answered yet (streams count until they end)
     healthy: bool = True  # its last /health check answered 200 (router/health.py); until the first, assumed
     epoch: str | None = None  # the process epoch its /health reports: a new one means it restarted
+    packed_ids: int | None = None  # the packed-prompt version its /health says it reads (prompt_pack.py); None: JSON
 
 
 class Pool:

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.openai_request import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.prompt_pack import to_list
 from pdserve.router.kv_route import PromptKeys
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.upstream import LegError, get_json
@@ -59,8 +60,8 @@ class PromptTokens:
 
     async def token_ids(self, request: SamplingFields | None) -> list[int] | None:
         if isinstance(request, CompletionRequest):
-            if isinstance(request.prompt, list):
-                return list(request.prompt)
+            if not isinstance(request.prompt, str):  # a list, or (a client sending the packed form) an array
+                return to_list(request.prompt)
             if self.tokenizer is not None and len(request.prompt) <= self.max_chars:
                 return await asyncio.to_thread(self._encode, request.prompt)
         elif isinstance(request, ChatCompletionRequest) and self.tokenizer is not None:

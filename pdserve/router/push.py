@@ -21,7 +21,7 @@ from pdserve.auth import DEFAULT_TTL_S
 from pdserve.kv.capability import KVAuth
 from pdserve.kv.params import Mode, PushSource, RemoteDecode, encode
 from pdserve.router.background import Background
-from pdserve.router.call import Call, prefill_body
+from pdserve.router.call import Call, leg_body, prefill_body, reads_packed
 from pdserve.router.policy import Backend, Pool
 from pdserve.router.prefill_info import PrefillInfo, push_coordinates
 from pdserve.router.relay import relay_stream
@@ -93,9 +93,10 @@ class Push:
         transfer_id = uuid.uuid4().hex
         host, port, engine_id = info["side_channel_host"], info["side_channel_port"], info["engine_id"]
         cap = self.kv_auth.issue_push(transfer_id, engine_id, host, port, DEFAULT_TTL_S)  # both legs carry it
-        p_body = prefill_body(call.body, encode(RemoteDecode(Mode.PUSH, transfer_id, cap, call.max_tokens)))
+        p_params = encode(RemoteDecode(Mode.PUSH, transfer_id, cap, call.max_tokens))
+        p_body = prefill_body(leg_body(call, call.body, reads_packed(p)), p_params)  # ids packed: call.leg_body
         source = PushSource(transfer_id, host, port, engine_id, info.get("tp_size", 1), cap)
-        d_body = {**call.body, "kv_transfer_params": encode(source)}
+        d_body = {**leg_body(call, call.body, reads_packed(d)), "kv_transfer_params": encode(source)}
         p_task = asyncio.create_task(self._prefill_leg(p, p_body, call))
         d_lease = self.decode.lease(d)
         opener = open_stream if call.is_stream else post_json

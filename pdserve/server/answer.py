@@ -4,6 +4,7 @@ admitted (503 past the limit), run, and its output rendered (render.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -15,6 +16,7 @@ from pdserve.http_timeline import events_of, mark
 from pdserve.kv.decode import decode
 from pdserve.kv.params import KVParamsError, PullSource, RemoteDecode
 from pdserve.openai_request import SamplingFields
+from pdserve.prompt_pack import TokenArray
 from pdserve.server.prepare import check_output_fits, sampling_params
 from pdserve.server.protocol import ApiError
 from pdserve.server.refusal import EdgeRefusal
@@ -29,7 +31,7 @@ async def answer(
     kind: Kind,
     body: SamplingFields,
     model: str,
-    prompt_ids: list[int],
+    prompt_ids: list[int] | TokenArray,
     default_max_tokens: int | None,
     request: Request,
     edge: EdgeRefusal,
@@ -60,7 +62,8 @@ async def answer(
             f"kv_transfer_params name KV for {kv_params.num_tokens} tokens; a prompt of {len(prompt_ids)} tokens "
             f"needs {len(prompt_ids) - 1} (send the prompt the prefill instance computed)",
         )
-    command = AddRequest(request_id, tuple(prompt_ids), params, kv_params, client_id)
+    ids = prompt_ids if isinstance(prompt_ids, np.ndarray) else tuple(prompt_ids)  # both immutable
+    command = AddRequest(request_id, ids, params, kv_params, client_id)
     run = RequestRun(engine, command, request, state.limits.max_queue_wait_s)  # runs nothing until first()
     renderer = Renderer(kind, request_id, model, prompt_ids, body.return_token_ids, body.include_usage)
     headers = {REQUEST_ID_HEADER: client_id or request_id}

@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from pdserve.openai_request import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.prompt_pack import TokenArray
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.protocol import ApiError
 
@@ -52,9 +55,12 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
 
 def completion_prompt_ids(
     body: CompletionRequest, tokenizer: Any | None, max_chars: int | None = None, max_model_len: int = 0
-) -> list[int]:
-    """Token ids of the one prompt of a completion request (text is checked, then tokenized here)."""
+) -> list[int] | TokenArray:
+    """Token ids of the one prompt of a completion request (text is checked, then tokenized here); the router's
+    packed ids stay the array they were unpacked into (prompt_pack.py)."""
     prompt = body.prompt
+    if isinstance(prompt, np.ndarray):
+        return prompt  # not empty, read-only, in [0, 2**32); the engine checks the vocabulary
     if isinstance(prompt, list):
         return list(prompt)  # not empty, integers >= 0 (openai_request.py); the engine checks the vocabulary
     if tokenizer is None:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.params import encode
+from pdserve.prompt_pack import TokenArray, to_list
 from pdserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -46,7 +47,7 @@ class Renderer:
         kind: Kind,
         request_id: str,
         model: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: list[int] | TokenArray,
         return_token_ids: bool,
         include_usage: bool,
     ) -> None:
@@ -68,7 +69,7 @@ class Renderer:
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         """The non-streaming body for the finished output `out`."""
-        prompt_ids = self.prompt_token_ids if self.return_token_ids else None
+        prompt_ids = to_list(self.prompt_token_ids) if self.return_token_ids else None
         token_ids = list(out.token_ids) if self.return_token_ids else None
         usage = self.usage(out)
         if self.kind == "chat":

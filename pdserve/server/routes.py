@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from pdserve import prompt_pack
 from pdserve.auth import AuthError
 from pdserve.engine.client import ReleaseRequest
 from pdserve.http_timeline import mark
@@ -43,7 +44,7 @@ async def health(request: Request) -> Response:
         state.check_ready()
     except ApiError as e:  # polled while loading: answered without a log line
         return error_response(e.status, e.message)
-    return JSONResponse({"status": "ok", "epoch": state.epoch})
+    return JSONResponse({"status": "ok", "epoch": state.epoch, prompt_pack.HEALTH_KEY: prompt_pack.VERSION})
 
 
 @routes.get("/v1/models")
@@ -121,7 +122,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_ready()
         model = state.resolve_model(body.model)
         engine = state.engine
-        if isinstance(body.prompt, list):  # token ids: a copy, worth no hop to a worker thread (2-4 ms at 16k)
+        if not isinstance(body.prompt, str):  # token ids (a list, or the router's packed array): no worker thread
             prompt_ids = completion_prompt_ids(body, None)
         else:
             prompt_ids = await run_in_threadpool(  # tokenizing: off the event loop

@@ -9,17 +9,22 @@ mode with its prefill instance at a dead URL: a body it passed on would be a 502
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 from helpers import Launcher, Proc
 
 from pdserve.bench.procs import free_ports
 from pdserve.openai_request import CHAT_PATH, COMPLETIONS_PATH, MAX_STOP, UNSUPPORTED
+from pdserve.prompt_pack import FIELD, HEALTH_KEY, VERSION, pack
+from pdserve.router.health import HealthMonitor
+from pdserve.router.policy import Backend, Pool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -261,3 +266,49 @@ def test_extreme_valid_values_are_served(server: Proc, fields: dict[str, Any]) -
     resp = httpx.post(server.url + COMPLETIONS_PATH, json={"prompt": "hi", "max_tokens": 3, **fields}, timeout=120)
     assert resp.status_code == 200, resp.text
     assert "error" not in resp.text
+
+
+PACKED_BAD = [  # the router's packed prompt (prompt_pack.FIELD), malformed: 400 naming the problem, never a 500
+    {FIELD: "v1:AAA"},  # truncated
+    {FIELD: "v1:AAAAAAA="},  # 5 bytes: not whole 4-byte ids
+    {FIELD: "v1:!!!!"},
+    {FIELD: "v1:"},
+    {FIELD: "v9:AAAAAA=="},
+    {FIELD: "AAAAAA=="},
+    {FIELD: 5},
+    {FIELD: [5]},
+    {FIELD: pack([5]), "prompt": [5]},  # both
+    {FIELD: pack([5]), "prompt": "hi"},
+]
+
+
+def test_packed_prompts_are_served_as_their_json_list_and_refused_when_malformed(server: Proc, router: Proc) -> None:
+    ids = [5, 6, 7, 300, 9]
+    plain = {"prompt": ids, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    packed = {**{k: v for k, v in plain.items() if k != "prompt"}, FIELD: pack(ids)}
+    a, b = (httpx.post(server.url + COMPLETIONS_PATH, json=body, timeout=60) for body in (plain, packed))
+    assert a.status_code == b.status_code == 200, b.text
+    assert a.json()["choices"][0]["token_ids"] == b.json()["choices"][0]["token_ids"]
+    assert b.json()["choices"][0]["prompt_token_ids"] == ids and b.json()["usage"] == a.json()["usage"]
+    problems = []
+    for url, instance in ((server.url, True), (router.url, False)):
+        bad = PACKED_BAD + ([{FIELD: pack([10**6])}] if instance else [])  # past the tiny vocabulary
+        for body in bad:
+            resp = httpx.post(url + COMPLETIONS_PATH, json={**body, "max_tokens": 2}, timeout=60)
+            if (problem := refusal_problem(resp)) is not None:
+                problems.append(f"{url} {body}: {problem}")
+    assert not problems, "\n".join(problems)
+    assert server.popen.poll() is None and serves(server.url)
+
+
+def test_health_says_the_instance_reads_packed_prompts(server: Proc) -> None:
+    """What the router's health check reads (router/health.py) to send an instance packed ids from then on."""
+    assert httpx.get(server.url + "/health", timeout=30).json()[HEALTH_KEY] == VERSION
+
+    async def check() -> Backend:
+        pool = Pool("decode", [server.url])
+        async with aiohttp.ClientSession() as session:
+            await HealthMonitor([pool], session, 1.0, 30.0).check(pool, pool.backends[0])
+        return pool.backends[0]
+
+    assert asyncio.run(check()).packed_ids == VERSION
