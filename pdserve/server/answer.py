@@ -13,7 +13,6 @@ from pdserve.auth import AuthError
 from pdserve.engine.client import AddRequest
 from pdserve.engine.outputs import RequestOutput
 from pdserve.http_timeline import events_of, mark
-from pdserve.kv.decode import decode
 from pdserve.kv.params import KVParamsError, PullSource, RemoteDecode
 from pdserve.openai_request import SamplingFields
 from pdserve.prompt_pack import TokenArray
@@ -45,7 +44,7 @@ async def answer(
     client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
     state.edge.add(request_id, client_id, events_of(request))  # GET /timeline merges them with the engine's
     try:
-        kv_params = decode(body.kv_transfer_params)  # parsed once, here; typed from now on
+        kv_params = edge.kv_params()  # parsed once, at the edge; typed from now on
     except KVParamsError as e:
         raise ApiError(400, str(e)) from e
     if isinstance(kv_params, RemoteDecode) and kv_params.decode_max_tokens is not None:

@@ -20,19 +20,10 @@ from types import TracebackType
 from typing import Any
 
 from pdserve.kv.decode import decode
-from pdserve.kv.params import PullSource, PushSource
+from pdserve.kv.params import KVTransferParams, PullSource, PushSource
 from pdserve.server.state import ServerState
 
 log = logging.getLogger(__name__)
-
-
-def _source(raw_params: Any) -> PullSource | PushSource | None:
-    """The producer's coordinates a request body's kv_transfer_params carry; None: none, malformed, or a P leg."""
-    try:
-        params = decode(raw_params)
-    except ValueError:  # KVParamsError: malformed (a 400 of its own), nothing to give back
-        return None
-    return params if isinstance(params, PullSource | PushSource) else None
 
 
 class EdgeRefusal:
@@ -41,12 +32,24 @@ class EdgeRefusal:
 
     def __init__(self, state: ServerState, raw_params: Any) -> None:
         self.state = state
-        self.source = _source(raw_params)
+        try:
+            self._params: KVTransferParams | ValueError | None = decode(raw_params)
+        except ValueError as e:  # KVParamsError: malformed, a 400 of its own (kv_params()); nothing to give back
+            self._params = e
+        params = self._params
+        self.source = params if isinstance(params, PullSource | PushSource) else None  # the producer's coordinates
         self.capability_used = False  # set when this request's own capability check passed (and used it up)
         self.engine_has_it = False  # set once the request is handed to the engine (its refusals are the engine's)
 
     def __enter__(self) -> EdgeRefusal:
         return self
+
+    def kv_params(self) -> KVTransferParams | None:
+        """The body's kv_transfer_params, decoded once (here, for both the give-back and the request: ~0.2 ms for a
+        16k prompt's block lists on the dev host); raises what decoding raised (KVParamsError: malformed)."""
+        if isinstance(self._params, ValueError):
+            raise self._params
+        return self._params
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
