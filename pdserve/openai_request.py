@@ -1,7 +1,8 @@
 """OpenAI request bodies for /v1/completions and /v1/chat/completions, validated: what the server and the
 router both parse, so a body one of them refuses the other refuses too, before any work is done.
 
-Light on purpose (pydantic only): the router imports this and nothing of `pdserve.server`.
+Light on purpose (pydantic, and numpy for the router's packed prompt: prompt_pack.py): the router imports this and
+nothing of `pdserve.server`.
 
 The rules, one place for both (docs/architecture.md, "The HTTP edge"):
 - types are strict: an integer field takes neither `true` nor `1.0` nor `"1"`, a boolean takes neither `1` nor
@@ -25,7 +26,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PlainValidator,
     Strict,
     StrictBool,
     StrictInt,
@@ -65,15 +65,6 @@ def _non_negative(token_ids: list[int]) -> list[int]:
 PromptIds = Annotated[list[StrictInt], AfterValidator(_non_negative)]  # a prompt's token ids: integers >= 0
 
 
-def _unpacked(value: Any) -> TokenArray:
-    """`prompt` after CompletionRequest moved the packed field into it: only an array unpack() made (JSON never
-    yields one)."""
-    if not isinstance(value, np.ndarray) or value.dtype != np.int64:
-        raise PydanticCustomError("union", "not token ids")
-    return value
-
-
-UnpackedIds = Annotated[TokenArray, PlainValidator(_unpacked)]  # prompt_pack's array (FIELD, unpacked)
 StopString = Annotated[StrictStr, Field(min_length=1)]
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -206,7 +197,7 @@ class CompletionRequest(SamplingFields):
     # a string or token ids; a one-element list of either is unwrapped (several prompts are refused). The router's
     # legs may send the ids packed instead (prompt_pack.FIELD): validated here, they are `prompt` as an int64 array
     prompt: Annotated[
-        StrictStr | PromptIds | UnpackedIds,
+        StrictStr | PromptIds | prompt_pack.UnpackedIds,
         _one_of("a string, a list of token ids (integers >= 0), or a list holding one of either"),
     ]
 
@@ -214,14 +205,14 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _completion_only(cls, data: Any) -> Any:
         _refuse_unsupported(data, UNSUPPORTED_COMPLETION)
-        return _unpack_prompt(data)
+        return prompt_pack.into_prompt(data)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _unpacked_as_is(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        """The array _unpack_prompt made is the prompt as it is: the union would try it as a list first, id by id
-        (~5 ms for 16k ids)."""
-        return _unpacked(prompt) if isinstance(prompt, np.ndarray) else handler(prompt)
+        """The array prompt_pack.into_prompt made is the prompt as it is: the union would try it as a list first, id
+        by id (~5 ms for 16k ids)."""
+        return prompt_pack.as_array(prompt) if isinstance(prompt, np.ndarray) else handler(prompt)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -239,24 +230,6 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, list) and not prompt:  # text may still tokenize to a BOS: the instance decides
             raise PydanticCustomError("empty", "prompt is empty")
         return prompt
-
-
-def _unpack_prompt(data: Any) -> Any:
-    """A body with the packed field: the field's ids as `prompt` (an int64 array), or the 400 of a bad one."""
-    if not isinstance(data, dict) or data.get(prompt_pack.FIELD) is None:
-        return data
-    packed = data[prompt_pack.FIELD]
-    if data.get("prompt") is not None:
-        raise PydanticCustomError(
-            "both", "give the prompt once: prompt or {field}, not both", {"field": prompt_pack.FIELD}
-        )
-    if not isinstance(packed, str):
-        raise PydanticCustomError("packed", "{field} must be a string", {"field": prompt_pack.FIELD})
-    try:
-        ids = prompt_pack.unpack(packed)
-    except ValueError as e:
-        raise PydanticCustomError("packed", "{message}", {"message": str(e)}) from None
-    return {**{k: v for k, v in data.items() if k != prompt_pack.FIELD}, "prompt": ids}
 
 
 class ChatContentPart(BaseModel):

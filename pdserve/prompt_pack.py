@@ -23,9 +23,12 @@ import base64
 import binascii
 import sys
 from collections.abc import Sequence
+from typing import Annotated, Any
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import PlainValidator
+from pydantic_core import PydanticCustomError
 
 FIELD = "pdserve_prompt_ids"  # the packed prompt's key in a completion body (instead of "prompt")
 VERSION = 1  # the wire version this code writes and reads
@@ -72,3 +75,31 @@ def unpack(value: str) -> TokenArray:
 def to_list(token_ids: Sequence[int] | TokenArray) -> list[int]:
     """Python ints, as the engine's Request holds them (one conversion from an array; a list is copied)."""
     return token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+
+
+def as_array(value: Any) -> TokenArray:
+    """A request model's `prompt` once into_prompt() put the unpacked ids there: only such an array (JSON never
+    yields one)."""
+    if not isinstance(value, np.ndarray) or value.dtype != np.int64:
+        raise PydanticCustomError("union", "not token ids")
+    return value
+
+
+UnpackedIds = Annotated[TokenArray, PlainValidator(as_array)]  # `prompt` as into_prompt() leaves it
+
+
+def into_prompt(data: Any) -> Any:
+    """A completion body (before validation) with FIELD: its ids unpacked as `prompt`, or the 400 of a bad value
+    (openai_request.CompletionRequest runs it first)."""
+    if not isinstance(data, dict) or data.get(FIELD) is None:
+        return data
+    packed = data[FIELD]
+    if data.get("prompt") is not None:
+        raise PydanticCustomError("both", "give the prompt once: prompt or {field}, not both", {"field": FIELD})
+    if not isinstance(packed, str):
+        raise PydanticCustomError("packed", "{field} must be a string", {"field": FIELD})
+    try:
+        ids = unpack(packed)
+    except ValueError as e:
+        raise PydanticCustomError("packed", "{message}", {"message": str(e)}) from None
+    return {**{k: v for k, v in data.items() if k != FIELD}, "prompt": ids}
