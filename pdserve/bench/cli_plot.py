@@ -1,6 +1,7 @@
 """`pdserve plot`: a sweep's result JSONs -> a PNG per metric and one over the run, the push/pull ratio per
 point, and each point's median per quarter of the run (steady state: does the metric drift?); with goodput
-SLOs in the results, SLO attainment against request rate per mode and the highest sustained rate."""
+SLOs in the results, SLO attainment against request rate per mode and the highest sustained rate; with instance
+counts or a multi-turn dataset, each arm's prefix hit rate, KV moved per request and TTFT per turn (cache.png)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 from pdserve.bench.plot import drift_lines, plot_metric, plot_over_run, ratio_lines, summary_rows
+from pdserve.bench.plot_cache import cache_lines, plot_cache
 from pdserve.bench.points import METRIC_NAMES, PER_REQUEST_METRICS, load_results
 
 
@@ -68,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         over_run = plot_over_run(points, args.metric, out.with_name(f"{out.stem}_over_run.png"))
         print(f"plot over the run written to {over_run}")
+    lines = cache_lines(points)
+    if lines:
+        for line in lines:
+            print(line)
+        print(f"cache plot written to {plot_cache(points, out.with_name('cache.png'))}")
     if any(p.has_goodput for p in points):
         print(summary_rows(points))
         from pdserve.bench.goodput import max_goodput, max_goodput_lines, plot_attainment

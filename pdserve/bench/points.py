@@ -85,6 +85,39 @@ class Point:
         values = [r["request_goodput"] for r in self.results if r.get("request_goodput") is not None]
         return float(np.mean(values)) if values else math.nan
 
+    def kv_bytes_per_request(self) -> float:
+        """KV bytes the decode side received per completed request, pooled over the iterations; nan when the
+        results carry no instance counts (bench/instances.py; colocated arms count 0)."""
+        runs = [
+            (r["kv_bytes_per_request"], r["completed"])
+            for r in self.results
+            if r.get("kv_bytes_per_request") is not None
+        ]
+        total = sum(n for _, n in runs)
+        return sum(v * n for v, n in runs) / total if total else math.nan
+
+    def prefix_hit_rate(self) -> float:
+        """Prefix-cache hit tokens / prompt tokens admitted, every instance pooled, averaged over the
+        iterations by their completed requests; nan without instance counts."""
+        runs = [(r["prefix_hit_rate"], r["completed"]) for r in self.results if r.get("prefix_hit_rate") is not None]
+        total = sum(n for _, n in runs)
+        return sum(v * n for v, n in runs) / total if total else math.nan
+
+    def turn_medians_ms(self) -> list[float]:
+        """Median TTFT (ms) of each conversation turn, iterations pooled (multi-turn datasets); [] when every
+        request is turn 0 (other datasets), nan for a turn without a successful request."""
+        by_turn: dict[int, list[float]] = {}
+        for r in self.results:
+            if not r.get("turns"):
+                continue
+            for turn, value in zip(r["turns"], per_request_ms(r, "ttft"), strict=True):
+                by_turn.setdefault(turn, [])
+                if value is not None:
+                    by_turn[turn].append(value)
+        if not by_turn or max(by_turn) == 0:
+            return []
+        return [float(np.median(by_turn[t])) if by_turn.get(t) else math.nan for t in range(max(by_turn) + 1)]
+
     @property
     def num_failed(self) -> int:
         return sum(r["failed"] for r in self.results)

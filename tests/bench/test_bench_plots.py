@@ -104,3 +104,41 @@ def test_timeline_writes_png_from_saved_files(tmp_path: Path) -> None:
 def test_timeline_without_input_fails_cleanly(tmp_path: Path) -> None:
     assert cli_timeline.run(_parse(cli_timeline, ["--out", str(tmp_path / "x.png")])) == 2
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_reports_the_caches_per_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Multi-turn results with instance counts: hit rate and KV moved pooled over iterations by completed
+    requests, the TTFT median per turn; a random-prompt arm (every request turn 0) has no turn line."""
+    arms = {"push-kv-aware": (0.7, 8 << 20, 0.05), "push-least-loaded": (0.5, 300 << 20, 0.10)}
+    for arm, (hit, moved, step) in arms.items():
+        for it in range(2):
+            outs = [
+                RequestOutput(
+                    f"{arm}-{it}-{u}-{t}",
+                    True,
+                    2048,
+                    8,
+                    step * (t + 1),
+                    [0.01] * 7,
+                    step * (t + 1) + 0.07,
+                    user=u,
+                    turn=t,
+                )
+                for u in range(3)
+                for t in range(3)
+            ]
+            result = calculate_metrics(outs, duration=1.0)
+            result.update(mode=arm, qps=1.0, iteration=it, input_len=2048, output_len=8)
+            result.update(kv_bytes_per_request=moved * (1 + it), prefix_hit_rate=hit)  # iteration 1 moves twice as much
+            (tmp_path / f"{point_stem(arm, 1.0, 2048, 8, it)}.json").write_text(json.dumps(result))
+    outs = [RequestOutput(f"r{i}", True, 512, 8, 0.02, [0.01] * 7, 0.09) for i in range(4)]
+    result = calculate_metrics(outs, duration=1.0)
+    result.update(mode="push", qps=4.0, iteration=0, input_len=512, output_len=8, kv_bytes_per_request=float(1 << 20))
+    (tmp_path / f"{point_stem('push', 4.0, 512, 8, 0)}.json").write_text(json.dumps(result))
+    assert cli_plot.run(_parse(cli_plot, ["--results-dir", str(tmp_path)])) == 0
+    printed = capsys.readouterr().out
+    assert "push-kv-aware: prefix hit 70%, KV moved 12.0 MiB/request, TTFT per turn 50/100/150 ms" in printed
+    assert "push-least-loaded: prefix hit 50%, KV moved 450.0 MiB/request, TTFT per turn 100/200/300 ms" in printed
+    assert "in 512 out 8 push: prefix hit -, KV moved 1.0 MiB/request\n" in printed
+    width, _ = _png_size(tmp_path / "cache.png")
+    assert width > 800  # three panels
