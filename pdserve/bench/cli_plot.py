@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if lines:
         for line in lines:
             print(line)
-        print(f"cache plot written to {plot_cache(points, out.with_name('cache.png'))}")
+        print(f"cache plot written to {plot_cache(points, out.with_name('cache.png'), args.title)}")
     if any(p.has_goodput for p in points):
         print(summary_rows(points))
         from pdserve.bench.goodput import max_goodput, max_goodput_lines, plot_attainment
