@@ -13,7 +13,10 @@ The field (FIELD, in a /v1/completions body instead of `prompt`): `"pdserve_prom
 - a body with both `prompt` and FIELD, a bad base64, a length that is not a whole number of ids, or no ids is a
   400 whose message names the field.
 Clients send plain OpenAI JSON; only the router packs, and only for an instance whose GET /health says it reads
-this version (HEALTH_KEY; a vLLM instance does not), so a mixed or foreign pool keeps getting JSON lists.
+this version (HEALTH_KEY; a vLLM instance does not), so a mixed or foreign pool keeps getting JSON lists. A client
+that sends FIELD to the router anyway is served as if it sent the list: the router validates it as an instance does
+(400s above), counts, hashes and routes the ids, and passes its value on to the instances that read it (a JSON list
+to the others: router/call.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ FIELD = "pdserve_prompt_ids"  # the packed prompt's key in a completion body (in
 VERSION = 1  # the wire version this code writes and reads
 HEALTH_KEY = "prompt_ids_packed"  # GET /health: the packed version an instance reads (absent: none)
 _PREFIX = f"v{VERSION}:"
-_UINT32_BYTES = 4
+UINT32_BYTES = 4  # one packed id
 
 TokenArray = npt.NDArray[np.int64]  # a prompt's ids as the instance holds them once unpacked (read-only)
 
@@ -45,7 +48,7 @@ def pack(token_ids: Sequence[int]) -> str | None:
         packed = array.array("I", token_ids)  # C unsigned int: 4 bytes on every platform numpy runs on
     except (OverflowError, TypeError):
         return None
-    if packed.itemsize != _UINT32_BYTES:
+    if packed.itemsize != UINT32_BYTES:
         return None
     if sys.byteorder == "big":
         packed.byteswap()
@@ -63,7 +66,7 @@ def unpack(value: str) -> TokenArray:
         raw = binascii.a2b_base64(data, strict_mode=True)  # one pass: refuses any byte outside the alphabet
     except (binascii.Error, ValueError):
         raise ValueError(f"{FIELD} is not valid base64") from None
-    if len(raw) % _UINT32_BYTES:
+    if len(raw) % UINT32_BYTES:
         raise ValueError(f"{FIELD} holds {len(raw)} bytes, not a whole number of 4-byte token ids")
     if not raw:
         raise ValueError("prompt is empty")

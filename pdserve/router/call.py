@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from pydantic import StrictInt, TypeAdapter, ValidationError
 from starlette.requests import Request
 
@@ -49,9 +50,18 @@ class Call:
         text, a chat, or an id that cannot be packed (the leg then carries the JSON list)."""
         if not self._packed_done:
             prompt = self.parsed.prompt if isinstance(self.parsed, CompletionRequest) else None
-            self._packed = prompt_pack.pack(prompt) if isinstance(prompt, list) else None
+            if isinstance(prompt, np.ndarray):  # the client sent them packed: its value, validated by parse_request
+                self._packed = self.body[prompt_pack.FIELD]
+            else:
+                self._packed = prompt_pack.pack(prompt) if isinstance(prompt, list) else None
             self._packed_done = True
         return self._packed
+
+    def unpacked_prompt(self) -> list[int] | None:
+        """The ids of a client that sent them packed (prompt_pack.FIELD), as the JSON list a leg to an instance
+        that does not read the packed form carries; None for any other prompt (its body goes as it came)."""
+        prompt = self.parsed.prompt if isinstance(self.parsed, CompletionRequest) else None
+        return prompt_pack.to_list(prompt) if isinstance(prompt, np.ndarray) else None
 
     @property
     def events(self) -> dict[str, float]:
@@ -73,17 +83,21 @@ def reads_packed(backend: Backend) -> bool:
 
 def leg_body(call: Call, body: dict[str, Any], packed: bool, ids: list[int] | None = None) -> dict[str, Any]:
     """`body` for one leg: with `prompt` as `ids` (P's token ids of a text prompt) when given, packed
-    (prompt_pack.py) when `packed` (the instance reads it: reads_packed) and the ids can be, else as JSON."""
+    (prompt_pack.py) when `packed` (the instance reads it: reads_packed) and the ids can be, else as JSON (a
+    client's packed ids too: Call.unpacked_prompt)."""
     if ids is not None:
         value = prompt_pack.pack(ids) if packed else None
-        if value is None:
-            return {**body, "prompt": ids}
     else:
         value = call.packed_prompt() if packed else None
         if value is None:
-            return body
-    out = {k: v for k, v in body.items() if k != "prompt"}
-    out[prompt_pack.FIELD] = value
+            ids = call.unpacked_prompt()
+            if ids is None:
+                return body
+    out = {k: v for k, v in body.items() if k not in ("prompt", prompt_pack.FIELD)}
+    if value is None:
+        out["prompt"] = ids
+    else:
+        out[prompt_pack.FIELD] = value
     return out
 
 
