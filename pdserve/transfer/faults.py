@@ -6,8 +6,8 @@ it to the factory on every rank; tests/e2e/serve_with_faults.py hands `pdserve.s
 It is no config field, no flag and no environment variable. The default, NO_FAULTS, costs one comparison per
 fault point.
 The fault suite (tests/transfer/test_faults.py) drops, duplicates, delays and so reorders notifications by
-message type on receipt, fails NIXL posts, delays a pull's READ past a short lease, and holds chosen READs in
-flight (so acks wait behind them); the checksum tests flip a received byte (flip_kv_byte).
+message type on receipt, fails NIXL posts (or only prepared ones), delays a pull's READ past a short lease, and
+holds chosen READs in flight (so acks wait behind them); the checksum tests flip a received byte (flip_kv_byte).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class Faults:
     delay_notifs: tuple[str, ...] = ()  # delivered notif_delay_s late (so later notifications overtake them)
     notif_delay_s: float = 0.0
     fail_posts: bool = False  # every READ/WRITE post fails as a NIXL error would (AgentError)
+    # every prepared READ/WRITE's post (NixlAgent.post_prepared) fails as a NIXL error other than the stale-handle
+    # refusal (StaleRequest) would: push_write must fail the transfer, not post it again; fresh posts work
+    fail_prepared_posts: bool = False
     # D (pull): the READs of these request ids count as in flight until slow_read_s after their post, as a READ
     # queued behind others in one ordered stream (UCX's emulated GET) does; the others' acks wait behind them
     slow_reads: tuple[str, ...] = ()

@@ -4,15 +4,21 @@ P learns its blocks when the prompt's last chunk is scheduled ("scheduled", Conn
 and D's rank its registration; whichever comes second prepares the WRITE, and the prefill's end only posts it. Each
 case checks the bytes D got and P's count of prepared WRITEs (TransferStats.prepared_writes), which must be back
 to 0 however the transfer ended: posted, abandoned, cancelled, superseded, or laid out again because P's blocks
-changed; and a windowed group, staged and checksummed. Two P/D pairs serve the module; ids are unique per test."""
+changed; and a windowed group, staged and checksummed. Only NIXL's stale-handle refusal of a prepared WRITE
+(StaleRequest, made real here with two agents in this process) is posted again from its rows: any other failure of
+the post fails the transfer. Two P/D pairs and a P whose prepared posts fail serve the module; ids are unique per
+test."""
 
 import time
 
 import numpy as np
 import pytest
 
+from pdserve.kv.geometry import CacheGeometry
 from pdserve.testing.transfer_pair import Instance, close_all, events, expected_kv, push_params, start_all
+from pdserve.transfer.base import KVCacheSpec
 from pdserve.transfer.faults import Faults
+from pdserve.transfer.thread.agent import AgentError, NixlAgent, StaleRequest, XferState
 
 # a windowed, staged, checksummed pair (test_windowed.py's geometry): layers 0-1 full attention, 2-3 a window of 8
 WINDOWS, STALE = (None, None, 8, 8), -1
@@ -26,6 +32,7 @@ def cl():
         d=Instance("decode", "push", block_size=4),
         p_win=Instance("prefill", "push", **WIDE),
         d_win=Instance("decode", "push", **WIDE),
+        p_bad=Instance("prefill", "push", block_size=4, faults=Faults(fail_prepared_posts=True)),
     )
     yield insts
     close_all(insts)
@@ -178,3 +185,58 @@ def test_windowed_staged_checksummed_prepared_write(cl):
     assert np.array_equal(d.kv(), want)
     assert "write_segments" not in events(p, "p-a7") and prepared(p) == 0
     assert d.call("stats")["checksum_failures"] == 0
+
+
+def test_other_failures_of_a_prepared_post_fail_the_transfer(cl):
+    """A prepared WRITE whose post fails otherwise than as a stale handle (here: Faults.fail_prepared_posts) is not
+    posted again from its rows: D's recv fails, its blocks untouched, and nothing stays prepared."""
+    p, d = cl["p_bad"], cl["d"]
+    pa, da = push_params(p, "a8")
+    p.call("needs", "p-a8", pa)
+    p.call("scheduled", "p-a8", [5, 6], 8, pa)
+    before = d.kv()
+    register(d, "a8", da, [2, 3], 8)
+    wait_for("write_prepared", lambda: "write_prepared" in events(p, "p-a8"))
+    p.call("finish", "p-a8", [5, 6], 8, pa)
+    kind, reason = d.wait_result("d-a8")
+    assert kind == "failed", reason
+    assert "transfer_posted" not in events(p, "p-a8")
+    wait_for("prepared_writes == 0", lambda: prepared(p) == 0)
+    assert np.array_equal(d.kv(), before)
+
+
+def _agent(name: str) -> tuple[NixlAgent, np.ndarray]:
+    geometry = CacheGeometry.of((), 1, 1, 16, 1, 4, 4)  # 4 blocks of 4 tokens, 16 bytes per token
+    buf = np.arange(geometry.total_bytes, dtype=np.uint8) if name == "src" else np.zeros(geometry.total_bytes, np.uint8)
+    return NixlAgent(name, buf, KVCacheSpec(geometry, buf.ctypes.data, "DRAM", 0, "m", "uint8")), buf
+
+
+def test_a_request_made_before_the_peer_was_loaded_again_is_stale():
+    """NIXL's refusal of a handle built before the peer's agent was reloaded is StaleRequest (what push_write posts
+    again from its rows); a released request is another AgentError; the same rows posted afresh land."""
+    (src, src_buf), (dst, dst_buf) = _agent("src"), _agent("dst")
+    try:
+        _stale_then_fresh(src, src_buf, dst, dst_buf)
+    finally:
+        src.close()
+        dst.close()
+
+
+def _stale_then_fresh(src: NixlAgent, src_buf: np.ndarray, dst: NixlAgent, dst_buf: np.ndarray) -> None:
+    peer = src.add_peer(dst.metadata)
+    rows = 64
+    local = np.array([[src_buf.ctypes.data, rows, 0]], dtype=np.uint64)
+    remote = np.array([[dst_buf.ctypes.data, rows, 0]], dtype=np.uint64)
+    prepared = src.prepare("WRITE", local, remote, peer)
+    src.remove_peer(peer)
+    assert src.add_peer(dst.metadata) == peer
+    with pytest.raises(StaleRequest):
+        src.post_prepared(prepared)
+    released = src.prepare("WRITE", local, remote, peer)
+    released.release()
+    with pytest.raises(AgentError) as refused:
+        src.post_prepared(released)
+    assert not isinstance(refused.value, StaleRequest)
+    xfer = src.post("WRITE", local, remote, peer)
+    wait_for("the fresh WRITE", lambda: dst.notifications() is not None and src.check(xfer) is XferState.DONE)
+    assert np.array_equal(dst_buf[:rows], src_buf[:rows])

@@ -29,6 +29,11 @@ class PeerGone(AgentError):
     """NIXL reported that the remote agent disconnected (its process died or removed us)."""
 
 
+class StaleRequest(AgentError):
+    """NIXL refused to post a prepared request made before the peer's agent was loaded again (postXferReq answers
+    NOT_FOUND for such a stale handle): nothing was posted, and the same descriptors posted afresh may work."""
+
+
 def _wrap(what: str, e: Exception) -> AgentError:
     cls = PeerGone if "Disconnect" in type(e).__name__ else AgentError
     return cls(f"{what}: {type(e).__name__}: {e}")
@@ -135,7 +140,8 @@ class NixlAgent:
 
     def post_prepared(self, prepared: Prepared, notif: bytes = b"") -> Xfer:
         """Post a prepare()d request with its notification (known only now); the Xfer owns the handle from here.
-        Raises AgentError; then nothing is in flight and the request is released."""
+        Raises AgentError (StaleRequest: made before the peer's agent was loaded again); then nothing is in flight
+        and the request is released."""
         if prepared.handle is None:
             raise AgentError(f"post {prepared.op} to {prepared.peer}: the prepared request was released")
         handle, prepared.handle = prepared.handle, None
@@ -144,7 +150,10 @@ class NixlAgent:
             state = self._agent.transfer(handle, notif)
         except Exception as e:
             self._release(handle)
-            raise _wrap(f"post {prepared.op} to {prepared.peer}", e) from None
+            what = f"post {prepared.op} to {prepared.peer}"
+            if type(e).__name__ == "nixlNotFoundError":  # the only NOT_FOUND a built request can meet at its post
+                raise StaleRequest(f"{what}: the request predates the peer's agent: {e}") from None
+            raise _wrap(what, e) from None
         if state == "ERR":
             self._release(handle)
             raise AgentError(f"post {prepared.op} to {prepared.peer}: NIXL returned ERR")

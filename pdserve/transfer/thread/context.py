@@ -70,8 +70,9 @@ class TransferContext:
         return self.agent.post(op, local, remote, peer, notif, remote_memory)
 
     def post_prepared(self, prepared: Prepared, notif: bytes = b"") -> Xfer:
-        """NixlAgent.post_prepared(), or (the request released) the AgentError a test's Faults.fail_posts asks for."""
-        if self.faults.fail_posts:
+        """NixlAgent.post_prepared(), or (the request released) the AgentError a test's Faults.fail_posts or
+        fail_prepared_posts asks for."""
+        if self.faults.fail_posts or self.faults.fail_prepared_posts:
             prepared.release()
             raise AgentError(f"post {prepared.op} to {prepared.peer}: failed (test fault)")
         return self.agent.post_prepared(prepared, notif)

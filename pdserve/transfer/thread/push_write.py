@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pdserve.transfer.base import SendTask
 from pdserve.transfer.heads import num_producers
 from pdserve.transfer.layout import LayoutError
-from pdserve.transfer.thread.agent import AgentError, PeerGone, XferState
+from pdserve.transfer.thread.agent import AgentError, PeerGone, StaleRequest, XferState
 from pdserve.transfer.thread.context import TransferContext
 from pdserve.transfer.thread.kv_verify import producer_sums
 from pdserve.transfer.thread.push_prepare import PreparedWrite, lay_out
@@ -84,7 +84,7 @@ def post_write(
             if request is not None:
                 try:
                     xfer = ctx.post_prepared(request, encode(done))  # (released if it raises)
-                except AgentError as e:  # NIXL refuses a request made before D's agent was loaded again: once more
+                except StaleRequest as e:  # made before D's agent was loaded again: once more (any other: failed)
                     log.info("push %s: the prepared WRITE was refused (%s); posting it from its rows", transfer_id, e)
             if xfer is None:
                 xfer = ctx.post("WRITE", layout.local, layout.remote, peer.agent_name, encode(done), peer.info.memory)
